@@ -1,0 +1,25 @@
+# The two commands: `make demo` and `make test`. Both set up .venv from scratch when it is absent.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rlops-installed
+
+.PHONY: demo test install test-fast bench clean
+
+$(STAMP): pyproject.toml constraints/cpu.txt scripts/install.sh
+	bash scripts/install.sh dev
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/rlops demo
+
+test: $(STAMP)
+	$(PY) -m pytest -x -q --durations=15
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	-$(VENV)/bin/rlops down
+	rm -rf .rlops

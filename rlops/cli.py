@@ -1,0 +1,106 @@
+"""`rlops`: thin commands that parse, call one library function, and print."""
+from __future__ import annotations
+
+import sys
+
+import click
+import yaml
+
+from rlops import stack
+from rlops.config import Config, ConfigError, load_config, masked_dict
+
+
+class CliContext:
+    """Loads the config lazily so `--help` works with a broken file; errors become one clear message."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self._config: Config | None = None
+
+    @property
+    def config(self) -> Config:
+        if self._config is None:
+            try:
+                self._config = load_config(self.path)
+            except ConfigError as exc:
+                raise click.ClickException(str(exc)) from None
+        return self._config
+
+
+pass_ctx = click.make_pass_decorator(CliContext)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), envvar="RLOPS_CONFIG",
+              help="Config file (default: ./mlflow.yaml, else embedded defaults).")
+@click.pass_context
+def main(ctx: click.Context, config_path: str | None) -> None:
+    """MLOps backbone for RL post-training of VLMs: track, promote, serve."""
+    ctx.obj = CliContext(config_path)
+
+
+@main.group("config")
+def config_group() -> None:
+    """Inspect the effective configuration."""
+
+
+@config_group.command("show")
+@pass_ctx
+def config_show(obj: CliContext) -> None:
+    """Print the effective config (file + RLOPS_* overrides + defaults), secrets masked."""
+    click.echo(yaml.safe_dump(masked_dict(obj.config), sort_keys=False).rstrip())
+
+
+def _print_status(parts: list[stack.PartStatus]) -> None:
+    for part in parts:
+        state = "healthy" if part.healthy else ("running, unhealthy" if part.running else "down")
+        origin = "" if part.managed else " (external)"
+        click.echo(f"  {part.name:<8} {state:<18} {part.url}{origin}  {part.detail}")
+
+
+@main.command()
+@click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for health checks.")
+@pass_ctx
+def up(obj: CliContext, timeout: float) -> None:
+    """Start MLflow and the S3 server (managed parts only) and wait until both are healthy."""
+    try:
+        parts = stack.up(obj.config, timeout_s=timeout)
+    except stack.StackError as exc:
+        raise click.ClickException(f"rlops up failed, nothing left running: {exc}") from None
+    _print_status(parts)
+    click.echo(f"MLflow UI:   {obj.config.tracking_uri}")
+    click.echo(f"S3 endpoint: {obj.config.storage.endpoint_url or '(AWS default)'}  bucket: {obj.config.storage.bucket}")
+    unhealthy = [p.name for p in parts if p.name in stack.STACK_PARTS and not p.healthy]
+    if unhealthy:
+        raise click.ClickException(f"not healthy: {', '.join(unhealthy)} (external parts are not started by rlops)")
+
+
+@main.command()
+@pass_ctx
+def down(obj: CliContext) -> None:
+    """Stop everything rlops started from this data dir (stack, serving, hooks), and nothing else."""
+    stopped = stack.down(obj.config)
+    click.echo(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
+
+
+@main.command()
+@pass_ctx
+def status(obj: CliContext) -> None:
+    """Report each part of the stack; exit 1 if a managed part is not healthy."""
+    parts = stack.status(obj.config)
+    _print_status(parts)
+    if any(p.managed and not p.healthy for p in parts):
+        sys.exit(1)
+
+
+@main.command()
+@pass_ctx
+def demo(obj: CliContext) -> None:
+    """Run the whole loop on embedded defaults (for now: bring the stack up and report its health)."""
+    obj_ctx = click.get_current_context()
+    obj_ctx.invoke(up)
+    click.echo("Stack is up. Stop it with: rlops down")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+"""The one configuration model, loaded from `mlflow.yaml` with environment overrides.
+
+Rule for overrides: `RLOPS_<SECTION>__<KEY>=<value>` (double underscore between levels, case-insensitive),
+e.g. `RLOPS_SERVING__PORT=8001`, `RLOPS_REGISTRY__SERVED_ALIASES='[production, staging]'`; top-level keys
+have no section: `RLOPS_DATA_DIR=/tmp/x`. Values are parsed as YAML scalars/flow collections. Env wins over
+the file; the file wins over the defaults. Secrets never live here: credentials come from the environment
+(`AWS_ACCESS_KEY_ID`, ...) and are masked wherever config is printed.
+
+Each package owns its section (contracts note): add keys there, with defaults; unknown keys are errors.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, Mapping
+from urllib.parse import urlsplit, urlunsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ENV_PREFIX = "RLOPS_"
+CONFIG_ENV = "RLOPS_CONFIG"
+DEFAULT_CONFIG_FILE = "mlflow.yaml"
+NAME_PATTERN = r"^[A-Za-z0-9._-]+$"
+ALIAS_PATTERN = r"^[A-Za-z0-9_-]+$"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the file and the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrackingConfig(_Section):
+    uri: str | None = Field(None, description="MLflow tracking URI; default: the embedded server's URL")
+    experiment: str = "visgym-maze-grpo"
+    registered_model: str | None = Field(
+        None, description="model the best checkpoint is registered into; default: registry.models[0]"
+    )
+
+
+class ServerConfig(_Section):
+    managed: bool = Field(True, description="`rlops up` starts this MLflow server; false = external server")
+    host: str = "127.0.0.1"
+    port: int = Field(5000, ge=1, le=65535)
+    backend_store_uri: str | None = Field(None, description="default: sqlite in the data dir")
+    artifacts_destination: str | None = Field(None, description="default: s3://<bucket>/mlflow-artifacts")
+    workers: int = Field(1, ge=1, le=16)
+    auth: bool = False
+
+
+class StorageConfig(_Section):
+    managed: bool = Field(True, description="`rlops up` starts a local SeaweedFS; false = AWS S3 / MinIO")
+    endpoint_url: str | None = "http://127.0.0.1:8333"
+    region: str = "us-east-1"
+    bucket: str = Field("rlops", pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+class RegistryConfig(_Section):
+    models: list[str] = Field(default_factory=lambda: ["maze-grpo"], min_length=1)
+    served_aliases: list[str] = Field(default_factory=lambda: ["production", "staging"], min_length=1)
+    default_alias: str = "production"
+
+    @field_validator("models")
+    @classmethod
+    def _model_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not re.match(NAME_PATTERN, name):
+                raise ValueError(f"registered model name {name!r} must match {NAME_PATTERN}")
+        return names
+
+    @field_validator("served_aliases")
+    @classmethod
+    def _aliases(cls, aliases: list[str]) -> list[str]:
+        for alias in aliases:
+            if not re.match(ALIAS_PATTERN, alias) or alias == "latest" or re.match(r"^v\d+$", alias):
+                raise ValueError(f"alias {alias!r} must match {ALIAS_PATTERN} and not be 'latest' or 'v<N>'")
+        return aliases
+
+    @model_validator(mode="after")
+    def _default_is_served(self) -> "RegistryConfig":
+        if self.default_alias not in self.served_aliases:
+            raise ValueError(f"default_alias {self.default_alias!r} is not in served_aliases {self.served_aliases}")
+        return self
+
+
+class ServingConfig(_Section):
+    base_model_id: str = Field("visgym-qwen3vl", pattern=NAME_PATTERN)
+    model_source: str | None = Field(None, description="HF id or path of the base weights; default: the data dir's tiny base")
+    dynamic_lora_loading_path: str | None = Field(None, description="default: s3://<bucket>/lora")
+    engine: Literal["auto", "vllm", "transformers"] = "auto"
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    max_lora_rank: int = Field(32, ge=1)
+    max_loras: int = Field(4, ge=1)
+    routes_staleness_s: float = Field(1.0, gt=0)
+
+
+class TrainingConfig(_Section):
+    """Defaults of the production recipe (SkyRL GRPO + LoRA on Qwen3-VL)."""
+
+    base_model: str = "Qwen/Qwen3-VL-8B-Instruct"
+    lora_rank: int = Field(32, ge=1)
+    lora_alpha: int = Field(64, ge=1)
+    n_samples_per_prompt: int = Field(8, ge=1)
+    max_turns: int = Field(15, ge=1)
+    eval_interval: int = Field(10, ge=1)
+    ckpt_interval: int = Field(20, ge=1)
+    hf_save_interval: int = Field(20, ge=1)
+    gpu_memory_utilization: float = Field(0.45, gt=0, le=1)
+    eval_data_source: str = "maze_2d/easy"
+
+
+class Config(_Section):
+    data_dir: str = ".rlops"
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+
+    # Derived values: one place decides each default that depends on another key.
+    @property
+    def data_path(self) -> Path:
+        return Path(self.data_dir).expanduser().resolve()
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.tracking.uri or f"http://{self.server.host}:{self.server.port}"
+
+    @property
+    def backend_store_uri(self) -> str:
+        return self.server.backend_store_uri or f"sqlite:///{self.data_path / 'mlflow.db'}"
+
+    @property
+    def artifacts_destination(self) -> str:
+        return self.server.artifacts_destination or f"s3://{self.storage.bucket}/mlflow-artifacts"
+
+    @property
+    def lora_path(self) -> str:
+        return (self.serving.dynamic_lora_loading_path or f"s3://{self.storage.bucket}/lora").rstrip("/")
+
+    @property
+    def base_model_source(self) -> str:
+        return self.serving.model_source or str(self.data_path / "models" / "base")
+
+    @property
+    def registered_model(self) -> str:
+        return self.tracking.registered_model or self.registry.models[0]
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def _parse_env_value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw.strip() else raw
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """Return `data` with every `RLOPS_A__B=...` variable applied (env wins)."""
+    merged = dict(data)
+    for name, raw in environ.items():
+        if not name.upper().startswith(ENV_PREFIX) or name.upper() == CONFIG_ENV:
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX):].split("__")]
+        if not all(path):
+            raise ConfigError(f"environment variable {name}: empty key segment (use RLOPS_SECTION__KEY)")
+        node = merged
+        for part in path[:-1]:
+            child = node.get(part)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[part] = child
+            node = child
+        node[path[-1]] = _parse_env_value(raw)
+    return merged
+
+
+def _format_errors(err: ValidationError, source: str, env_keys: set[str]) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        origin = source
+        env_name = ENV_PREFIX + "__".join(str(p).upper() for p in e["loc"])
+        if env_name in env_keys:
+            origin = f"environment variable {env_name}"
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        else:
+            msg = e["msg"]
+        given = e.get("input")
+        shown = "" if e["type"] in ("extra_forbidden", "missing") or isinstance(given, dict) else f" (got {given!r})"
+        lines.append(f"{origin}: {key}: {msg}{shown}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def find_config_file(path: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None) -> Path | None:
+    environ = os.environ if environ is None else environ
+    if path is not None:
+        return Path(path)
+    if environ.get(CONFIG_ENV):
+        return Path(environ[CONFIG_ENV])
+    default = Path(DEFAULT_CONFIG_FILE)
+    return default if default.exists() else None
+
+
+def load_config(path: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None) -> Config:
+    """Load the effective config: embedded defaults < `mlflow.yaml` < `RLOPS_*` environment variables.
+
+    `path` (or `$RLOPS_CONFIG`) must exist when given; without either, `./mlflow.yaml` is used if present.
+    """
+    environ = os.environ if environ is None else environ
+    file = find_config_file(path, environ)
+    data: dict[str, Any] = {}
+    source = "embedded defaults"
+    if file is not None:
+        source = str(file)
+        try:
+            text = file.read_text()
+        except OSError as exc:
+            raise ConfigError(f"{file}: cannot read config file: {exc.strerror or exc}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{file}: not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{file}: top level must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded or {}
+    env_keys = {k.upper() for k in environ if k.upper().startswith(ENV_PREFIX)}
+    data = apply_env_overrides(data, environ)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source, env_keys)) from None
+
+
+# ---------------------------------------------------------------------------------------------- secrets
+
+_SECRET_KEY = re.compile(r"(pass(word|wd)?|secret|token|api[_-]?key|access[_-]?key|private[_-]?key|credential|auth)", re.I)
+_SECRET_VALUE = re.compile(
+    r"(AKIA[0-9A-Z]{16}|ASIA[0-9A-Z]{16}|sk-[A-Za-z0-9_-]{16,}|hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
+    r"|xox[baprs]-[A-Za-z0-9-]{10,}|-----BEGIN [A-Z ]*PRIVATE KEY-----|eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}\.)"
+)
+MASK = "****"
+
+
+def is_secret_key(key: str) -> bool:
+    """A key whose value must never be shown (password, token, api_key, secret, ...)."""
+    return bool(_SECRET_KEY.search(key.rsplit(".", 1)[-1]))
+
+
+def mask_uri(uri: str) -> str:
+    """Hide the password of a URI's userinfo (`postgresql://u:pw@h/db` -> `postgresql://u:****@h/db`)."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return uri
+    if parts.password is None:
+        return uri
+    netloc = f"{parts.username}:{MASK}@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def mask_value(key: str, value: Any) -> Any:
+    """Mask one config/param value: secret-looking keys, credential-looking strings, URI passwords."""
+    if isinstance(value, Mapping):
+        return {k: mask_value(f"{key}.{k}", v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [mask_value(key, v) for v in value]
+    if is_secret_key(key) and value not in (None, "", False, True):
+        return MASK
+    if isinstance(value, str):
+        if _SECRET_VALUE.search(value):
+            return MASK
+        return mask_uri(value) if "://" in value else value
+    return value
+
+
+def masked_dict(config: Config) -> dict[str, Any]:
+    """The effective config as a plain dict, derived defaults filled in and secrets masked."""
+    data = config.model_dump()
+    data["tracking"]["uri"] = config.tracking_uri
+    data["tracking"]["registered_model"] = config.registered_model
+    data["server"]["backend_store_uri"] = config.backend_store_uri
+    data["server"]["artifacts_destination"] = config.artifacts_destination
+    data["serving"]["dynamic_lora_loading_path"] = config.lora_path
+    data["serving"]["model_source"] = config.base_model_source
+    data["data_dir"] = str(config.data_path)
+    return {k: mask_value(k, v) for k, v in data.items()}
+
+
+# ------------------------------------------------------------------------------------------ S3 credentials
+
+S3_CREDENTIALS_FILE = "s3-credentials.json"
+
+
+def s3_credentials(config: Config, environ: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """(access key, secret key) from the environment, else from the data dir of the embedded stack.
+
+    None for an external S3 without env credentials: boto3's own chain (instance profile, IRSA) applies.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("AWS_ACCESS_KEY_ID") and environ.get("AWS_SECRET_ACCESS_KEY"):
+        return environ["AWS_ACCESS_KEY_ID"], environ["AWS_SECRET_ACCESS_KEY"]
+    path = config.data_path / S3_CREDENTIALS_FILE
+    if path.exists():
+        import json
+
+        data = json.loads(path.read_text())
+        return data["access_key"], data["secret_key"]
+    if config.storage.managed:
+        raise ConfigError(
+            f"no S3 credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or run `rlops up` "
+            f"(it generates {path})"
+        )
+    return None
+
+
+def s3_client_kwargs(config: Config, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Keyword arguments for `boto3.client("s3", **kwargs)` against the configured storage."""
+    kwargs: dict[str, Any] = {"region_name": config.storage.region}
+    if config.storage.endpoint_url:
+        kwargs["endpoint_url"] = config.storage.endpoint_url
+    creds = s3_credentials(config, environ)
+    if creds:
+        kwargs["aws_access_key_id"], kwargs["aws_secret_access_key"] = creds
+    return kwargs
+
+
+def s3_environment(config: Config, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment variables that point boto3 (and MLflow's S3 artifact store) at the configured storage."""
+    env = {"AWS_REGION": config.storage.region, "AWS_DEFAULT_REGION": config.storage.region}
+    if config.storage.endpoint_url:
+        env["AWS_ENDPOINT_URL"] = config.storage.endpoint_url
+        env["MLFLOW_S3_ENDPOINT_URL"] = config.storage.endpoint_url
+    creds = s3_credentials(config, environ)
+    if creds:
+        env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = creds
+    return env

@@ -1,0 +1,227 @@
+"""The shared contract between promotion (writer) and serving (reader), as pure code with no I/O.
+
+- Request-name grammar: `<base>`, `<base>:<model>`, `<base>:<model>@<alias>`, `<base>:<model>@v<N>`.
+- S3 layout under `dynamic_lora_loading_path` (= `s3://<bucket>/<prefix>`): one immutable folder per
+  promoted version `<prefix>/<model>-v<version>/`, and one routes manifest per registered model at
+  `<prefix>/_routes/<model>.json` (a folder Ray never lists as an adapter: it has no adapter_config.json).
+- The routes manifest schema (`schema_version: 1`) and name resolution against it.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field
+
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+ALIAS_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+VERSION_ALIAS_RE = re.compile(r"^v(\d+)$")
+MAX_NAME_LENGTH = 256
+
+ROUTES_DIR = "_routes"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ALLOWED_SUFFIXES = (".safetensors", ".json")
+SCHEMA_VERSION = 1
+
+
+# ------------------------------------------------------------------------------------------ name grammar
+
+
+class ModelNameError(ValueError):
+    """Base of name errors; `status` is the HTTP status an endpoint should answer with."""
+
+    status = 400
+    code = "invalid_model_name"
+
+
+class MalformedModelName(ModelNameError):
+    status = 400
+    code = "invalid_model_name"
+
+
+class ModelNotFound(ModelNameError):
+    status = 404
+    code = "model_not_found"
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A parsed request `model`. `alias` xor `version` is set when `model` is; neither for the bare base."""
+
+    raw: str
+    base: str
+    model: str | None = None
+    alias: str | None = None
+    version: int | None = None
+
+
+def is_valid_name(name: str) -> bool:
+    return bool(NAME_RE.match(name)) and ".." not in name and len(name) <= MAX_NAME_LENGTH
+
+
+def is_valid_alias(alias: str) -> bool:
+    return bool(ALIAS_RE.match(alias)) and alias != "latest" and not VERSION_ALIAS_RE.match(alias)
+
+
+def parse_model_name(raw: object, default_alias: str = "production") -> ModelRef:
+    """Parse a client's `model` string; raise MalformedModelName naming what is wrong."""
+    if not isinstance(raw, str) or not raw:
+        raise MalformedModelName("'model' must be a non-empty string")
+    if len(raw) > MAX_NAME_LENGTH:
+        raise MalformedModelName(f"'model' is longer than {MAX_NAME_LENGTH} characters")
+    base, sep, rest = raw.partition(":")
+    if not is_valid_name(base):
+        raise MalformedModelName(f"model {raw!r}: base id must match [A-Za-z0-9._-]+ (no '..')")
+    if not sep:
+        return ModelRef(raw=raw, base=base)
+    model, at, selector = rest.partition("@")
+    if not is_valid_name(model):
+        raise MalformedModelName(f"model {raw!r}: registered model name must match [A-Za-z0-9._-]+ (no '..')")
+    if not at:
+        return ModelRef(raw=raw, base=base, model=model, alias=default_alias)
+    version = VERSION_ALIAS_RE.match(selector)
+    if version:
+        return ModelRef(raw=raw, base=base, model=model, version=int(version.group(1)))
+    if not ALIAS_RE.match(selector):
+        raise MalformedModelName(f"model {raw!r}: alias must match [A-Za-z0-9_-]+")
+    return ModelRef(raw=raw, base=base, model=model, alias=selector)
+
+
+# ---------------------------------------------------------------------------------------------- S3 layout
+
+
+@dataclass(frozen=True)
+class S3Location:
+    bucket: str
+    prefix: str  # no leading or trailing slash; may be ""
+
+    def key(self, *parts: str) -> str:
+        return "/".join(p.strip("/") for p in (self.prefix, *parts) if p)
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+
+def parse_s3_uri(uri: str) -> S3Location:
+    if not uri.startswith("s3://"):
+        raise ValueError(f"not an s3:// URI: {uri!r}")
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    if not bucket:
+        raise ValueError(f"s3 URI has no bucket: {uri!r}")
+    return S3Location(bucket=bucket, prefix=prefix.strip("/"))
+
+
+def version_folder(model: str, version: int) -> str:
+    """The immutable folder name of one promoted version (never accepted from clients)."""
+    return f"{model}-v{int(version)}"
+
+
+def routes_key(location: S3Location, model: str) -> str:
+    return location.key(ROUTES_DIR, f"{model}.json")
+
+
+def routes_prefix(location: S3Location) -> str:
+    return location.key(ROUTES_DIR) + "/"
+
+
+def model_from_routes_key(location: S3Location, key: str) -> str | None:
+    """`<prefix>/_routes/<model>.json` -> `<model>`; None for anything else."""
+    head = routes_prefix(location)
+    if not key.startswith(head) or not key.endswith(".json"):
+        return None
+    name = key[len(head):-len(".json")]
+    return name if is_valid_name(name) and "/" not in name else None
+
+
+def is_allowed_adapter_file(name: str) -> bool:
+    return "/" not in name and not name.startswith(".") and name.endswith(ALLOWED_SUFFIXES)
+
+
+# ------------------------------------------------------------------------------------------ manifest schema
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AliasRoute(_Strict):
+    version: int = Field(ge=1)
+    folder: str
+    files: dict[str, str]  # file name -> sha256 hex
+    promoted_at: str
+    trigger: str
+
+
+class HistoryEntry(_Strict):
+    alias: str
+    version: int = Field(ge=1)
+    at: str
+    trigger: str
+
+
+class Refusal(_Strict):
+    version: int = Field(ge=1)
+    reason: str
+    at: str
+
+
+class RoutesManifest(_Strict):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    model: str
+    generation: int = Field(0, ge=0)
+    updated_at: str = Field(default_factory=utc_now)
+    aliases: dict[str, AliasRoute] = Field(default_factory=dict)
+    history: list[HistoryEntry] = Field(default_factory=list)
+    refused: dict[str, Refusal] = Field(default_factory=dict)
+
+    def published_versions(self) -> set[int]:
+        """Versions a client may address as `@v<N>`: current targets and recorded history."""
+        return {r.version for r in self.aliases.values()} | {h.version for h in self.history}
+
+
+# ---------------------------------------------------------------------------------------------- resolution
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Where a request goes. `folder` is internal: never put it in a response."""
+
+    ref: ModelRef
+    folder: str | None  # None = the base model
+    version: int | None
+    alias: str | None
+
+
+def resolve_model_name(
+    ref: ModelRef,
+    base_model_id: str,
+    manifests: Mapping[str, RoutesManifest],
+    served_aliases: list[str] | tuple[str, ...],
+) -> Resolution:
+    """Resolve a parsed name against the published manifests; raise ModelNotFound with a client-safe message."""
+    if ref.base != base_model_id:
+        raise ModelNotFound(f"The model {ref.raw!r} does not exist.")
+    if ref.model is None:
+        return Resolution(ref=ref, folder=None, version=None, alias=None)
+    manifest = manifests.get(ref.model)
+    if manifest is None:
+        raise ModelNotFound(f"The model {ref.raw!r} does not exist.")
+    if ref.version is not None:
+        if ref.version not in manifest.published_versions():
+            raise ModelNotFound(f"The model {ref.raw!r} does not exist: version {ref.version} was never promoted.")
+        return Resolution(ref=ref, folder=version_folder(ref.model, ref.version), version=ref.version, alias=None)
+    assert ref.alias is not None
+    if ref.alias not in served_aliases:
+        raise ModelNotFound(f"The model {ref.raw!r} does not exist: alias {ref.alias!r} is not served.")
+    route = manifest.aliases.get(ref.alias)
+    if route is None:
+        raise ModelNotFound(f"The model {ref.raw!r} is not available: alias {ref.alias!r} not set.")
+    return Resolution(ref=ref, folder=route.folder, version=route.version, alias=ref.alias)

@@ -1,0 +1,184 @@
+"""Supervised child processes recorded in the data dir, so `rlops down` stops what rlops started and nothing else.
+
+A record is `<data_dir>/run/<name>.json` with the pid and the process's create time: a pid reused by an
+unrelated process after a reboot or crash does not match the create time and is never signalled.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+import psutil
+
+
+class ProcessError(RuntimeError):
+    """A supervised process could not be started or did not become healthy."""
+
+
+@dataclass
+class ProcessRecord:
+    name: str
+    pid: int
+    create_time: float
+    argv: list[str]
+    log: str
+    urls: dict[str, str] = field(default_factory=dict)
+
+    def process(self) -> psutil.Process | None:
+        """The live process this record names, or None (exited, or the pid now belongs to someone else)."""
+        try:
+            proc = psutil.Process(self.pid)
+            if abs(proc.create_time() - self.create_time) > 1.0 or proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return proc
+        except psutil.Error:
+            return None
+
+
+def run_dir(data_path: Path) -> Path:
+    return data_path / "run"
+
+
+def log_dir(data_path: Path) -> Path:
+    return data_path / "logs"
+
+
+def _record_path(data_path: Path, name: str) -> Path:
+    return run_dir(data_path) / f"{name}.json"
+
+
+def read_record(data_path: Path, name: str) -> ProcessRecord | None:
+    try:
+        return ProcessRecord(**json.loads(_record_path(data_path, name).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def list_records(data_path: Path) -> list[ProcessRecord]:
+    records = []
+    for path in sorted(run_dir(data_path).glob("*.json")):
+        record = read_record(data_path, path.stem)
+        if record is not None:
+            records.append(record)
+    return records
+
+
+def write_record(data_path: Path, record: ProcessRecord) -> None:
+    path = _record_path(data_path, record.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(record), indent=2))
+    os.replace(tmp, path)
+
+
+def record_current_process(data_path: Path, name: str, urls: Mapping[str, str] | None = None) -> ProcessRecord:
+    """For a foreground command (`rlops serve`, `rlops hooks serve`) that must be stoppable by `rlops down`."""
+    me = psutil.Process()
+    record = ProcessRecord(name, me.pid, me.create_time(), me.cmdline(), "", dict(urls or {}))
+    write_record(data_path, record)
+    return record
+
+
+def forget(data_path: Path, name: str) -> None:
+    _record_path(data_path, name).unlink(missing_ok=True)
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def start(
+    data_path: Path,
+    name: str,
+    argv: list[str],
+    env: Mapping[str, str],
+    urls: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+) -> ProcessRecord:
+    """Start `argv` detached in its own session with its own log file, and record it."""
+    logs = log_dir(data_path)
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"{name}.log"
+    with open(log_path, "ab") as log:
+        log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {name}\n".encode())
+        log.flush()
+        try:
+            proc = subprocess.Popen(
+                argv, env=dict(env), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, cwd=str(cwd) if cwd else None,
+            )
+        except FileNotFoundError:
+            raise ProcessError(f"{name}: executable not found: {argv[0]}") from None
+    record = ProcessRecord(name, proc.pid, psutil.Process(proc.pid).create_time(), list(argv), str(log_path), dict(urls or {}))
+    write_record(data_path, record)
+    return record
+
+
+def wait_healthy(record: ProcessRecord, check: Callable[[], bool], timeout_s: float) -> None:
+    """Poll `check` until it passes; fail early, with the log's tail, if the process dies."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if record.process() is None:
+            raise ProcessError(f"{record.name} exited during startup; last log lines:\n{log_tail(record)}")
+        try:
+            if check():
+                return
+        except Exception:  # noqa: BLE001 - any failure of a health probe means "not yet"
+            pass
+        time.sleep(0.2)
+    raise ProcessError(f"{record.name} did not become healthy within {timeout_s:.0f}s; last log lines:\n{log_tail(record)}")
+
+
+def log_tail(record: ProcessRecord, lines: int = 15) -> str:
+    try:
+        text = Path(record.log).read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join("    " + line for line in text[-lines:])
+
+
+def stop(data_path: Path, name: str, timeout_s: float = 15.0) -> bool:
+    """Stop a recorded process and its descendants (TERM, then KILL). True if something was running."""
+    record = read_record(data_path, name)
+    if record is None:
+        return False
+    proc = record.process()
+    was_running = proc is not None
+    if proc is not None:
+        try:
+            family = [proc, *proc.children(recursive=True)]
+        except psutil.Error:
+            family = [proc]
+        for p in family:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(family, timeout=timeout_s)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+    forget(data_path, name)
+    return was_running

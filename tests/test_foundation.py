@@ -1,0 +1,212 @@
+"""Foundation: config loading and overrides, the embedded stack, `rlops up/down/status`."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import boto3
+import mlflow
+import psutil
+import pytest
+from botocore.exceptions import ClientError
+
+from rlops.config import ConfigError, load_config, masked_dict, mask_value
+from rlops import processes
+from rlops.layout import parse_s3_uri
+
+from conftest import _free_s3_port, write_config
+
+RLOPS = [sys.executable, "-m", "rlops.cli"]
+
+
+def run_cli(args, env, timeout=120):
+    return subprocess.run([*RLOPS, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+def test_defaults_load_without_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(environ={})
+    assert cfg.tracking_uri == "http://127.0.0.1:5000"
+    assert cfg.lora_path == "s3://rlops/lora"
+    assert cfg.registry.served_aliases == ["production", "staging"]
+
+
+def test_repo_config_file_is_valid():
+    cfg = load_config(Path(__file__).parents[1] / "mlflow.yaml", environ={})
+    assert cfg.serving.base_model_id == "visgym-qwen3vl"
+    assert cfg.training.lora_rank == 32
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    path = write_config(tmp_path / "mlflow.yaml", {"serving": {"prot": 8000}})
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    assert str(path) in str(err.value) and "serving.prot" in str(err.value) and "unknown key" in str(err.value)
+
+
+def test_wrong_type_names_key_and_value(tmp_path):
+    path = write_config(tmp_path / "mlflow.yaml", {"server": {"port": "eighty"}})
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    assert "server.port" in str(err.value) and "'eighty'" in str(err.value)
+
+
+def test_unreadable_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml", environ={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("server: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, environ={})
+
+
+def test_env_overrides_win_and_are_typed(tmp_path):
+    path = write_config(tmp_path / "mlflow.yaml", {"serving": {"port": 8000}})
+    cfg = load_config(path, environ={"RLOPS_SERVING__PORT": "8123", "RLOPS_REGISTRY__SERVED_ALIASES": "[production]",
+                                     "RLOPS_DATA_DIR": str(tmp_path / "d")})
+    assert cfg.serving.port == 8123
+    assert cfg.registry.served_aliases == ["production"]
+    assert cfg.data_path == tmp_path / "d"
+
+
+def test_env_override_error_names_variable(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="environment variable RLOPS_SERVING__PORT: serving.port"):
+        load_config(None, environ={"RLOPS_SERVING__PORT": "abc"})
+    with pytest.raises(ConfigError, match="serving.bogus: unknown key"):
+        load_config(None, environ={"RLOPS_SERVING__BOGUS": "1"})
+
+
+def test_config_show_masks_secrets(tmp_path):
+    path = write_config(tmp_path / "mlflow.yaml", {"data_dir": str(tmp_path / "d")})
+    env = dict(os.environ, RLOPS_SERVER__BACKEND_STORE_URI="postgresql://mlflow:hunter2pw@db:5432/mlflow",
+               RLOPS_CONFIG=str(path))
+    out = run_cli(["config", "show"], env)
+    assert out.returncode == 0, out.stderr
+    assert "hunter2pw" not in out.stdout and "postgresql://mlflow:****@db:5432/mlflow" in out.stdout
+    assert "port: 5000" in out.stdout
+
+
+def test_mask_value_rules():
+    assert mask_value("db_password", "x") == "****"
+    assert mask_value("trainer.api_key", "abc") == "****"
+    assert mask_value("note", "AKIAABCDEFGHIJKLMNOP") == "****"
+    assert mask_value("lr", 0.001) == 0.001
+    assert mask_value("uri", "http://u:p@h:1/x") == "http://u:****@h:1/x"
+
+
+def test_cli_config_error_is_one_clear_message(tmp_path):
+    path = write_config(tmp_path / "mlflow.yaml", {"storage": {"bucket": 12}})
+    out = run_cli(["up"], dict(os.environ, RLOPS_CONFIG=str(path)))
+    assert out.returncode == 1
+    assert "storage.bucket" in out.stderr and str(path) in out.stderr and "Traceback" not in out.stderr
+
+
+# ------------------------------------------------------------------------------------------------- stack
+
+
+def test_mlflow_run_artifacts_land_in_s3(stack, unique_name, tmp_path):
+    mlflow.set_tracking_uri(stack.tracking_uri)
+    exp = mlflow.set_experiment(f"exp-{unique_name}")
+    artifact = tmp_path / "hello.txt"
+    artifact.write_text("hello s3")
+    with mlflow.start_run(experiment_id=exp.experiment_id) as run:
+        mlflow.log_metric("x", 1.0)
+        mlflow.log_artifact(str(artifact))
+    loc = parse_s3_uri(stack.config.artifacts_destination)
+    s3 = stack.s3()
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=loc.bucket, Prefix=loc.prefix).get("Contents", [])]
+    key = next(k for k in keys if k.endswith(f"{run.info.run_id}/artifacts/hello.txt"))
+    assert s3.get_object(Bucket=loc.bucket, Key=key)["Body"].read() == b"hello s3"
+
+
+def test_s3_rejects_wrong_credentials(stack):
+    bad = boto3.client("s3", endpoint_url=stack.config.storage.endpoint_url, region_name="us-east-1",
+                       aws_access_key_id="wrong", aws_secret_access_key="wrong-secret")
+    with pytest.raises(ClientError) as err:
+        bad.list_objects_v2(Bucket=stack.config.storage.bucket)
+    assert err.value.response["Error"]["Code"] in ("InvalidAccessKeyId", "AccessDenied", "SignatureDoesNotMatch")
+
+
+def test_stack_processes_are_loopback_only_and_keep_db_uri_off_command_line(stack):
+    mlflow_record = processes.read_record(stack.config.data_path, "mlflow")
+    assert mlflow_record is not None
+    proc = mlflow_record.process()
+    for p in [proc, *proc.children(recursive=True)]:
+        assert "--backend-store-uri" not in p.cmdline()
+    s3 = processes.read_record(stack.config.data_path, "s3").process()
+    listening = [c.laddr.ip for c in s3.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert listening and set(listening) == {"127.0.0.1"}
+
+
+def test_up_refuses_occupied_port_and_leaves_nothing(tmp_path):
+    blocker = processes.free_port()
+    import socket
+
+    with socket.create_server(("127.0.0.1", blocker)):
+        path = write_config(tmp_path / "mlflow.yaml", {
+            "data_dir": str(tmp_path / "d"), "server": {"port": blocker},
+            "storage": {"endpoint_url": f"http://127.0.0.1:{_free_s3_port()}"},
+        })
+        out = run_cli(["up"], dict(os.environ, RLOPS_CONFIG=str(path)))
+    assert out.returncode == 1
+    assert f"port {blocker}" in out.stderr and "server.port" in out.stderr and "already in use" in out.stderr
+    assert "nothing left running" in out.stderr
+    assert processes.list_records(tmp_path / "d") == []
+
+
+def test_up_down_cycle_keeps_data_and_leaves_no_process(tmp_path):
+    path = write_config(tmp_path / "mlflow.yaml", {
+        "data_dir": str(tmp_path / "d"), "server": {"port": processes.free_port()},
+        "storage": {"endpoint_url": f"http://127.0.0.1:{_free_s3_port()}"},
+    })
+    env = dict(os.environ, RLOPS_CONFIG=str(path))
+    out = run_cli(["up"], env)
+    assert out.returncode == 0, out.stderr
+    assert "MLflow UI:" in out.stdout and "S3 endpoint:" in out.stdout
+    cfg = load_config(path, environ={})
+    pids = [r.pid for r in processes.list_records(cfg.data_path)]
+    family = [c.pid for pid in pids for c in psutil.Process(pid).children(recursive=True)] + pids
+    client = mlflow.MlflowClient(cfg.tracking_uri)
+    exp_id = client.create_experiment(f"persist-{uuid.uuid4().hex[:6]}")
+    assert run_cli(["status"], env).returncode == 0
+
+    out = run_cli(["down"], env)
+    assert out.returncode == 0 and "mlflow" in out.stdout and "s3" in out.stdout
+    assert not [pid for pid in family if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert run_cli(["status"], env).returncode == 1
+
+    assert run_cli(["up"], env).returncode == 0
+    try:
+        assert mlflow.MlflowClient(cfg.tracking_uri).get_experiment(exp_id).experiment_id == exp_id
+    finally:
+        assert run_cli(["down"], env).returncode == 0
+
+
+def test_down_never_signals_a_reused_pid(tmp_path):
+    data = tmp_path / "d"
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        processes.write_record(data, processes.ProcessRecord("ghost", victim.pid, 12345.0, ["x"], ""))
+        assert processes.stop(data, "ghost") is False
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+
+
+def test_loopback_proxy_cuts_and_restores(stack, mlflow_proxy):
+    client = mlflow.MlflowClient(mlflow_proxy.url)
+    client.search_experiments(max_results=1)
+    mlflow_proxy.cut()
+    import httpx
+
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{mlflow_proxy.url}/health", timeout=2)
+    mlflow_proxy.restore()
+    assert httpx.get(f"{mlflow_proxy.url}/health", timeout=5).status_code == 200
