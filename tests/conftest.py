@@ -19,6 +19,10 @@ import yaml
 
 # SkyRL on Python 3.11 needs TypedDict from typing_extensions (pydantic rejects typing's); see tracker/compat.
 if sys.version_info < (3, 12):
+    # transformers' processor kwargs must stay typing.TypedDicts: huggingface_hub's strict dataclasses
+    # reject typing_extensions ones ("TypedDict does not support instance and class checks").
+    import transformers.processing_utils  # noqa: F401
+
     typing.TypedDict = typing_extensions.TypedDict  # type: ignore[misc]
 
 from rlops import stack as rlops_stack  # noqa: E402
