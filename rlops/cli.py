@@ -101,6 +101,9 @@ def demo(obj: CliContext) -> None:
     obj_ctx.invoke(up)
     click.echo("Stack is up. Stop it with: rlops down")
 
+from rlops.commands.data import data_group  # noqa: E402  (the command imports CliContext from here)
+main.add_command(data_group)
+
 
 if __name__ == "__main__":
     main()

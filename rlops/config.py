@@ -99,6 +99,43 @@ class ServingConfig(_Section):
     routes_staleness_s: float = Field(1.0, gt=0)
 
 
+class LocalTrainingConfig(_Section):
+    """`rlops train --local`: SFT warm start + TRL GRPO + LoRA on one CPU machine (training/local_trainer)."""
+
+    base_model: str | None = Field(None, description="HF id or path; default: the data dir's tiny SFT base")
+    maze_sizes: list[int] = Field(default_factory=lambda: [5, 7], min_length=1)
+    eval_size: int = Field(7, ge=5)
+    steps: int = Field(200, ge=1)
+    budget_s: float = Field(300.0, gt=0)
+    eval_interval: int = Field(25, ge=1)
+    ckpt_interval: int = Field(25, ge=1)
+    num_generations: int = Field(8, ge=2)
+    prompts_per_step: int = Field(4, ge=1)
+    learning_rate: float = Field(1e-3, gt=0)
+    beta: float = Field(0.0, ge=0, description="KL coefficient against the base")
+    temperature: float = Field(1.0, gt=0)
+    lora_rank: int = Field(16, ge=1)
+    lora_alpha: int = Field(32, ge=1)
+    max_completion_tokens: int = Field(20, ge=2)
+    sft_steps: int = Field(400, ge=0)
+    sft_learning_rate: float = Field(3e-3, gt=0)
+    seed: int = 0
+
+    @field_validator("maze_sizes")
+    @classmethod
+    def _odd_sizes(cls, sizes: list[int]) -> list[int]:
+        if any(s < 5 or s % 2 == 0 for s in sizes):
+            raise ValueError(f"maze sizes must be odd and >= 5 (outer wall included), got {sizes}")
+        return sizes
+
+    @field_validator("eval_size")
+    @classmethod
+    def _odd_eval_size(cls, size: int) -> int:
+        if size % 2 == 0:
+            raise ValueError(f"eval maze size must be odd, got {size}")
+        return size
+
+
 class TrainingConfig(_Section):
     """Defaults of the production recipe (SkyRL GRPO + LoRA on Qwen3-VL)."""
 
@@ -112,6 +149,7 @@ class TrainingConfig(_Section):
     hf_save_interval: int = Field(20, ge=1)
     gpu_memory_utilization: float = Field(0.45, gt=0, le=1)
     eval_data_source: str = "maze_2d/easy"
+    local: LocalTrainingConfig = Field(default_factory=LocalTrainingConfig)
 
 
 class Config(_Section):

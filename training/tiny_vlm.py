@@ -41,13 +41,14 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer():
     """A word-level fast tokenizer over SPECIAL_TOKENS + WORDS with the Qwen-style chat template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab: dict[str, int] = {}
     for token in [*SPECIAL_TOKENS, UNK_TOKEN, *WORDS]:
         vocab.setdefault(token, len(vocab))
     core = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
+    core.normalizer = normalizers.Lowercase()
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     # WordPiece's decoder joins words with spaces (no token carries the "##" prefix).
     core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
