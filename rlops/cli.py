@@ -7,27 +7,8 @@ import click
 import yaml
 
 from rlops import stack
-from rlops.config import Config, ConfigError, load_config, masked_dict
-
-
-class CliContext:
-    """Loads the config lazily so `--help` works with a broken file; errors become one clear message."""
-
-    def __init__(self, path: str | None):
-        self.path = path
-        self._config: Config | None = None
-
-    @property
-    def config(self) -> Config:
-        if self._config is None:
-            try:
-                self._config = load_config(self.path)
-            except ConfigError as exc:
-                raise click.ClickException(str(exc)) from None
-        return self._config
-
-
-pass_ctx = click.make_pass_decorator(CliContext)
+from rlops.commands.context import CliContext, pass_ctx
+from rlops.config import masked_dict
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -101,7 +82,7 @@ def demo(obj: CliContext) -> None:
     obj_ctx.invoke(up)
     click.echo("Stack is up. Stop it with: rlops down")
 
-from rlops.commands.data import data_group  # noqa: E402  (the command imports CliContext from here)
+from rlops.commands.data import data_group  # noqa: E402
 main.add_command(data_group)
 
 

@@ -1,0 +1,3 @@
+from rlops.cli import main
+
+main()
