@@ -40,6 +40,26 @@ class TrackingConfig(_Section):
     registered_model: str | None = Field(
         None, description="model the best checkpoint is registered into; default: registry.models[0]"
     )
+    # tracker/ (issue 3): run sessions, spool, heartbeat, checkpoints, registration
+    batch_size: int = Field(1000, ge=1, le=1000, description="metrics per log_batch request (MLflow max 1000)")
+    retry_max_backoff_s: float = Field(10.0, gt=0, description="cap of the sender's exponential backoff")
+    request_timeout_s: float = Field(10.0, gt=0, description="timeout of one background MLflow request")
+    flush_timeout_s: float = Field(30.0, ge=0, description="bounded wait for spooled work when a run ends")
+    heartbeat_interval_s: float = Field(30.0, gt=0, description="how often a live run refreshes rlops.heartbeat")
+    heartbeat_timeout_s: float = Field(300.0, gt=0, description="`rlops runs sweep` fails RUNNING runs silent this long")
+    best_metric: str = Field("avg_score", description="eval metric that picks the best checkpoint (higher is better)")
+    register_aliases: list[str] = Field(default_factory=lambda: ["candidate"],
+                                        description="aliases register_best sets; never a served alias unless listed")
+    keep_best_checkpoints: int | None = Field(None, ge=1, description="retention: keep the best k + the latest "
+                                              "checkpoints (and registered ones); None keeps all")
+
+    @field_validator("register_aliases")
+    @classmethod
+    def _register_aliases(cls, aliases: list[str]) -> list[str]:
+        for alias in aliases:
+            if not re.match(ALIAS_PATTERN, alias) or alias == "latest" or re.match(r"^v\d+$", alias):
+                raise ValueError(f"alias {alias!r} must match {ALIAS_PATTERN} and not be 'latest' or 'v<N>'")
+        return aliases
 
 
 class ServerConfig(_Section):

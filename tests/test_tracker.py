@@ -1,0 +1,182 @@
+"""tracker/ core against the real MLflow server: lifecycle, resume, metrics, checkpoints, evals, registry."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from mlflow.entities import Metric
+
+from test_tracker_support import make_peft_adapter, metric_history
+from tracker import RunSession
+from tracker.checkpoints import TAG_SHA256, TAG_STEP, sha256_of
+from tracker.naming import eval_key, metric_key, redacted_params, split_param_changes
+from tracker.registry import rank_checkpoints, retention_victims, ScoredCheckpoint
+from tracker.session import STATE_DIR, TAG_EXCEPTION_MESSAGE, TAG_EXCEPTION_TYPE, TAG_PARAM_CHANGED
+from tracker.spool import MetricSpool, Point
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return [make_peft_adapter(root / f"a{i}", seed=i) for i in range(2)]
+
+
+# ------------------------------------------------------------------------------------------ pure parts
+
+
+def test_metric_keys_follow_skyrl_mapping():
+    assert metric_key("reward/avg_pass_at_8") == "reward/avg_pass_at_8"
+    assert metric_key("reward/avg_pass@8") == "reward/avg_pass_at_8"
+    assert metric_key("timing/step#1") == "timing/step_1"
+    assert eval_key("maze_2d/easy") == "eval/maze_2d/easy/avg_score"
+    with pytest.raises(ValueError, match="data_source"):
+        eval_key("")
+
+
+def test_params_are_flattened_and_redacted():
+    params = redacted_params({"trainer": {"lr": 1e-5, "api_key": "abc", "hf_token": "hf_" + "x" * 30},
+                              "storage": {"uri": "postgresql://u:pw@db/x", "note": "sk-" + "a" * 20},
+                              "targets": ["q_proj", "v_proj"]})
+    assert params == {"trainer.lr": "1e-05", "trainer.api_key": "****", "trainer.hf_token": "****",
+                      "storage.uri": "postgresql://u:****@db/x", "storage.note": "****",
+                      "targets": "['q_proj', 'v_proj']"}
+    assert split_param_changes({"a": "1", "b": "2"}, {"a": "1", "b": "3", "c": "4"}) == ({"c": "4"}, {"b": "3"})
+
+
+def test_spool_replays_only_unacknowledged_points(tmp_path):
+    spool = MetricSpool(tmp_path)
+    points = spool.append([Point("m", float(i), 1000 + i, i) for i in range(5)] + [Point("n", math.nan, 1, 9)])
+    assert [p.seq for p in points] == [1, 2, 3, 4, 5, 6]
+    spool.acknowledge(3)
+    spool.close()
+    with (tmp_path / "spool.jsonl").open("a") as fh:
+        fh.write('{"s":7,"k":"torn')  # a crash mid-line
+    reopened = MetricSpool(tmp_path)
+    assert [(p.key, p.step) for p in reopened.unacknowledged()] == [("m", 3), ("m", 4), ("n", 9)]
+    assert reopened.unacknowledged()[-1].to_rest()["value"] == "NaN"
+    assert reopened.append([Point("m", 1.0, 1, 1)])[0].seq == 7
+    reopened.acknowledge(7)
+    reopened.close()
+    assert MetricSpool(tmp_path).unacknowledged() == []
+
+
+def test_ranking_and_retention_are_pure():
+    class M:  # the LoggedModel fields ranking reads
+        def __init__(self, model_id, step, value):
+            self.model_id, self.tags = model_id, {TAG_STEP: str(step)}
+            self.metrics = [] if value is None else [Metric("eval/x/avg_score", value, 0, step)]
+
+    models = [M("a", 10, 0.5), M("b", 20, 0.9), M("c", 30, 0.9), M("d", 40, None), M("e", 5, 0.1)]
+    ranked = rank_checkpoints(models, "eval/x/avg_score")
+    assert [s.model_id for s in ranked] == ["c", "b", "a", "e"]  # tie -> later step
+    assert retention_victims(models, ranked, keep_best=1, protected={"a"}) == ["b", "e"]  # keeps best, latest, registered
+
+
+# ---------------------------------------------------------------------------------- against MLflow
+
+
+def test_run_logs_everything_and_registers_best(test_config, tmp_path, mlflow_client, adapters):
+    run_dir = tmp_path / "ckpts"
+    params = {"trainer": {"lr": 1e-5, "secret_token": "s3cr3t"}, "generator": {"n_samples_per_prompt": 8}}
+    with RunSession.start(test_config, run_dir, params=params, tags={"rlops.trainer": "test"},
+                          run_name="core") as session:
+        for step in range(1, 4):
+            session.log_metrics({"policy/loss": 1.0 / step, "reward/avg_pass@8": step / 10}, step=step)
+        session.log_checkpoint(adapters[0], step=2)
+        session.log_eval("maze_2d/local7", 0.25, [{"seed": 0, "solved": False, "steps": 15, "final_distance": 3}],
+                         step=2)
+        session.log_eval("maze_2d/local7", 0.75, [{"seed": 0, "solved": True, "steps": 7, "final_distance": 0}],
+                         step=3)  # eval before its checkpoint: linked when the upload lands
+        session.log_checkpoint(adapters[1], step=3)
+        version = session.register_best()
+    run = mlflow_client.get_run(session.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["trainer.secret_token"] == "****" and run.data.params["trainer.lr"] == "1e-05"
+    assert run.data.tags["rlops.trainer"] == "test" and run.data.tags["rlops.host"]
+    assert metric_history(mlflow_client, session.run_id, "policy/loss") == [(1, 1.0), (2, 0.5), (3, 1 / 3)]
+    assert metric_history(mlflow_client, session.run_id, "reward/avg_pass_at_8") == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    key = "eval/maze_2d/local7/avg_score"
+    assert metric_history(mlflow_client, session.run_id, key) == [(2, 0.25), (3, 0.75)]
+
+    models = {int(m.tags[TAG_STEP]): m for m in mlflow_client.search_logged_models(
+        experiment_ids=[session.experiment_id], filter_string=f"source_run_id = '{session.run_id}'")}
+    assert sorted(models) == [2, 3]
+    for step, adapter in zip((2, 3), adapters):
+        model = models[step]
+        assert model.model_type == "lora-adapter" and str(model.status) == "READY"
+        assert model.tags["rlops.base_model"] == test_config.training.base_model
+        assert model.tags[TAG_SHA256 + "adapter_model.safetensors"] == sha256_of(adapter / "adapter_model.safetensors")
+        assert [(m.key, m.step) for m in model.metrics] == [(key, step)]
+        files = {f.path for f in mlflow_client.list_logged_model_artifacts(model.model_id)}
+        assert files == {"adapter_config.json", "adapter_model.safetensors"}
+    outputs = {o.model_id: o.step for o in run.outputs.model_outputs}
+    assert outputs == {models[2].model_id: 2, models[3].model_id: 3}
+
+    table_files = [f.path for f in mlflow_client.list_artifacts(session.run_id, "eval_tables/maze_2d/local7")]
+    assert table_files == ["eval_tables/maze_2d/local7/step_000002.json", "eval_tables/maze_2d/local7/step_000003.json"]
+    table = json.loads(open(mlflow_client.download_artifacts(session.run_id, table_files[1], str(tmp_path))).read())
+    assert table["columns"] == ["seed", "solved", "steps", "final_distance", "step"]
+    assert table["data"] == [[0, True, 7, 0, 3]]
+
+    assert version.name == test_config.registered_model and version.source == f"models:/{models[3].model_id}"
+    assert version.tags == {"rlops.run_id": session.run_id, "rlops.step": "3", "rlops.metric_key": key,
+                            "rlops.metric_value": "0.75"}
+    assert version.aliases == ["candidate"]
+    assert list((run_dir / STATE_DIR / "jobs").iterdir()) == []  # every upload landed and was cleaned up
+
+
+def test_resume_continues_the_same_run(test_config, tmp_path, mlflow_client):
+    run_dir = tmp_path / "ckpts"
+    first = RunSession.start(test_config, run_dir, params={"lr": 0.1, "epochs": 2})
+    first.log_metrics({"loss": 1.0}, step=1)
+    first.fail(RuntimeError("preempted"))
+    assert mlflow_client.get_run(first.run_id).info.status == "FAILED"
+
+    with RunSession.start(test_config, run_dir, params={"lr": 0.2, "epochs": 2}) as second:
+        assert second.run_id == first.run_id
+        assert mlflow_client.get_run(second.run_id).info.status == "RUNNING"
+        second.log_metrics({"loss": 0.5}, step=2)
+    run = mlflow_client.get_run(first.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["lr"] == "0.1" and run.data.tags[TAG_PARAM_CHANGED + "lr"] == "0.2"
+    assert run.data.tags["rlops.resumes"] == "1"
+    assert metric_history(mlflow_client, run.info.run_id, "loss") == [(1, 1.0), (2, 0.5)]
+
+
+def test_exception_ends_failed_and_interrupt_ends_killed(test_config, tmp_path, mlflow_client):
+    with pytest.raises(ZeroDivisionError):
+        with RunSession.start(test_config, tmp_path / "a") as failing:
+            failing.log_metrics({"loss": 1.0}, step=0)
+            1 / 0
+    run = mlflow_client.get_run(failing.run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags[TAG_EXCEPTION_TYPE] == "ZeroDivisionError"
+    assert run.data.tags[TAG_EXCEPTION_MESSAGE] == "division by zero"
+    assert metric_history(mlflow_client, failing.run_id, "loss") == [(0, 1.0)]
+
+    with pytest.raises(KeyboardInterrupt):
+        with RunSession.start(test_config, tmp_path / "b") as killed:
+            raise KeyboardInterrupt
+    assert mlflow_client.get_run(killed.run_id).info.status == "KILLED"
+    with pytest.raises(RuntimeError, match="already ended"):
+        killed.log_metrics({"loss": 1.0}, step=1)
+
+
+def test_inputs_are_validated_with_specific_messages(test_config, tmp_path):
+    with pytest.raises(TypeError, match="rlops.config.Config"):
+        RunSession.start({"tracking": {}}, tmp_path)
+    with RunSession.start(test_config, tmp_path) as session:
+        with pytest.raises(ValueError, match="step must be a non-negative int"):
+            session.log_metrics({"loss": 1.0}, step=-1)
+        with pytest.raises(TypeError, match="metric 'loss': value must be a number"):
+            session.log_metrics({"loss": "high"}, step=1)
+        with pytest.raises(ValueError, match="solve_rate must be within"):
+            session.log_eval("maze_2d/easy", 1.5, [], step=1)
+        with pytest.raises(ValueError, match="eval row 0 lacks final_distance"):
+            session.log_eval("maze_2d/easy", 0.5, [{"seed": 1, "solved": True, "steps": 3}], step=1)
+        with pytest.raises(ValueError, match="lacks adapter_model.safetensors"):
+            (tmp_path / "bad").mkdir()
+            (tmp_path / "bad" / "adapter_config.json").write_text("{}")
+            session.log_checkpoint(tmp_path / "bad", step=1)
+        assert session.register_best("maze_2d/easy") is None  # nothing evaluated: nothing registered

@@ -1,0 +1,190 @@
+"""LoRA checkpoints and eval tables: snapshotted on the training thread, uploaded by a worker thread.
+
+A job is a JSON file in `<state>/jobs/` (its snapshot beside it), so a restart finishes what a crash
+left: a checkpoint whose LoggedModel was created keeps its `model_id` and is not created twice.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from mlflow import MlflowClient
+from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+
+from rlops.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+log = logging.getLogger(__name__)
+
+MODEL_TYPE = "lora-adapter"
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
+TAG_STEP = "rlops.step"
+TAG_BASE_MODEL = "rlops.base_model"
+TAG_LORA_RANK = "rlops.lora_rank"
+TAG_SHA256 = "rlops.sha256."
+TABLE_DIR = "eval_tables"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def snapshot_adapter(adapter_dir: Path, dest: Path) -> None:
+    """Hard-link (copy across filesystems) the adapter files into `dest`, so the trainer may delete its
+    checkpoint right after the hook returns. Raises ValueError naming a missing file."""
+    adapter_dir = Path(adapter_dir)
+    if not adapter_dir.is_dir():
+        raise ValueError(f"adapter dir {adapter_dir} does not exist or is not a directory")
+    missing = [name for name in ADAPTER_FILES if not (adapter_dir / name).is_file()]
+    if missing:
+        raise ValueError(f"adapter dir {adapter_dir} lacks {', '.join(missing)} (a PEFT LoRA adapter has both)")
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in ADAPTER_FILES:
+        try:
+            os.link(adapter_dir / name, tmp / name)
+        except OSError:
+            shutil.copy2(adapter_dir / name, tmp / name)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+
+
+class ArtifactUploader:
+    """Worker thread for checkpoint and table jobs, retried with backoff until they land."""
+
+    def __init__(self, client: MlflowClient, run_id: str, experiment_id: str, state_dir: Path, *,
+                 model_tags: dict[str, str], on_checkpoint: Callable[[int, str], None], max_backoff_s: float):
+        self._client = client
+        self._run_id = run_id
+        self._experiment_id = experiment_id
+        self._dir = Path(state_dir) / "jobs"
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._model_tags = model_tags
+        self._on_checkpoint = on_checkpoint
+        self._max_backoff_s = max_backoff_s
+        self._cond = threading.Condition()
+        self._queue: list[Path] = sorted(self._dir.glob("*.json"))  # left over from a crash: resume them
+        self._next = 1 + max((int(p.stem.split("-")[0]) for p in self._queue), default=0)
+        self._busy = False
+        self._stopping = False
+        self.last_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="rlops-tracker-uploader", daemon=True)
+        self._thread.start()
+
+    # ---- called on the training thread: only local file work
+    def add_checkpoint(self, adapter_dir: Path, step: int) -> None:
+        with self._cond:
+            job = self._dir / f"{self._next:06d}-ckpt-{step}.json"
+            self._next += 1
+        snapshot_adapter(adapter_dir, job.with_suffix(""))
+        self._enqueue(job, {"kind": "checkpoint", "step": step, "model_id": None})
+
+    def add_table(self, artifact_file: str, rows: list[dict[str, Any]]) -> None:
+        with self._cond:
+            job = self._dir / f"{self._next:06d}-table.json"
+            self._next += 1
+        columns = {key: [row[key] for row in rows] for key in rows[0]} if rows else {}
+        self._enqueue(job, {"kind": "table", "artifact_file": artifact_file, "data": columns})
+
+    def _enqueue(self, job: Path, spec: dict) -> None:
+        _write_json(job, spec)
+        with self._cond:
+            self._queue.append(job)
+            self._cond.notify_all()
+
+    # ---- lifecycle
+    def flush(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(min(left, 0.5))
+        return True
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue) + int(self._busy)
+
+    def _run(self) -> None:
+        backoff = 0.0
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return  # job files stay on disk; the next start resumes them
+                job = self._queue[0]
+                self._busy = True
+            try:
+                self._process(job)
+            except Exception as exc:  # noqa: BLE001 - retried; the job file keeps the work
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("checkpoint/table upload failed, retrying: %s", self.last_error)
+                backoff = min(self._max_backoff_s, max(0.2, backoff * 2))
+                with self._cond:
+                    self._busy = False
+                    self._cond.wait_for(lambda: self._stopping, timeout=backoff)
+                continue
+            backoff = 0.0
+            self.last_error = None
+            with self._cond:
+                self._queue.pop(0)
+                self._busy = False
+                self._cond.notify_all()
+
+    def _process(self, job: Path) -> None:
+        spec = json.loads(job.read_text())
+        if spec["kind"] == "checkpoint":
+            self._upload_checkpoint(job, spec)
+        else:
+            self._upload_table(spec)
+        job.unlink()
+        shutil.rmtree(job.with_suffix(""), ignore_errors=True)
+
+    def _upload_checkpoint(self, job: Path, spec: dict) -> None:
+        step, files_dir = int(spec["step"]), job.with_suffix("")
+        if spec["model_id"] is None:
+            sums = {name: sha256_of(files_dir / name) for name in ADAPTER_FILES}
+            tags = {**self._model_tags, TAG_STEP: str(step), **{TAG_SHA256 + n: s for n, s in sums.items()}}
+            model = self._client.create_logged_model(
+                experiment_id=self._experiment_id, name=f"lora-step-{step}", source_run_id=self._run_id,
+                tags=tags, model_type=MODEL_TYPE)
+            spec["model_id"] = model.model_id
+            _write_json(job, spec)  # from here on a retry reuses this LoggedModel
+        model_id = spec["model_id"]
+        self._client.log_model_artifacts(model_id, str(files_dir))
+        self._client.finalize_logged_model(model_id, LoggedModelStatus.READY)
+        self._client.log_outputs(self._run_id, [LoggedModelOutput(model_id, step)])
+        self._on_checkpoint(step, model_id)
+
+    def _upload_table(self, spec: dict) -> None:
+        artifact_file = spec["artifact_file"]
+        folder, _, name = artifact_file.rpartition("/")
+        if any(f.path.endswith(name) for f in self._client.list_artifacts(self._run_id, folder or None)):
+            return  # landed before a crash; log_table would append the rows a second time
+        self._client.log_table(self._run_id, spec["data"], artifact_file)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)

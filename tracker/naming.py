@@ -1,0 +1,76 @@
+"""Pure naming rules: metric keys, eval keys, flattened and redacted params (no I/O)."""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Mapping
+
+from rlops.config import MASK, mask_value
+
+EVAL_PREFIX = "eval"
+MAX_PARAM_VALUE = 6000  # MLflow truncates longer param values; we cut first so a resume compares equal
+_ILLEGAL_KEY_CHARS = re.compile(r"[^\w./\- :]")
+
+
+def metric_key(name: str) -> str:
+    """The MLflow key of a trainer metric: the trainer's name with MLflow-illegal characters mapped
+    (`@` -> `_at_` exactly as SkyRL's own MLflow backend does, anything else illegal -> `_`)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"metric name must be a non-empty string, got {name!r}")
+    return _ILLEGAL_KEY_CHARS.sub("_", name.replace("@", "_at_"))
+
+
+def eval_key(data_source: str, metric: str = "avg_score") -> str:
+    """`eval/<data_source>/<metric>`: SkyRL's key for the per-eval-set score (contracts note)."""
+    if not isinstance(data_source, str) or not data_source.strip("/"):
+        raise ValueError(f"data_source must be a non-empty name such as 'maze_2d/easy', got {data_source!r}")
+    return metric_key(f"{EVAL_PREFIX}/{data_source.strip('/')}/{metric}")
+
+
+def as_float(name: str, value: Any) -> float:
+    """A metric value as float; bools and numeric scalars (incl. 0-d tensors) are accepted."""
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    raise TypeError(f"metric {name!r}: value must be a number, got {type(value).__name__}")
+
+
+def is_finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """Nested mappings -> one level with dotted keys; lists stay values."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{sep}{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, name, sep))
+        else:
+            flat[name] = value
+    return flat
+
+
+def redacted_params(params: Mapping[str, Any]) -> dict[str, str]:
+    """Flatten a training config into MLflow params; secret-looking keys and credential-looking values
+    (tokens, keys, URI passwords) become `****` so they never reach the tracking server."""
+    out: dict[str, str] = {}
+    for key, value in flatten(params).items():
+        masked = mask_value(key, value)
+        if isinstance(masked, list) and MASK in masked:
+            masked = MASK
+        text = "None" if masked is None else str(masked)
+        out[key] = text[:MAX_PARAM_VALUE]
+    return out
+
+
+def split_param_changes(existing: Mapping[str, str], new: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(params to log, params whose value changed since the run first logged them).
+
+    MLflow forbids changing a logged param, so on resume a changed value is recorded as a tag instead."""
+    to_log = {k: v for k, v in new.items() if k not in existing}
+    changed = {k: v for k, v in new.items() if k in existing and existing[k] != v}
+    return to_log, changed

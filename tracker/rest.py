@@ -1,0 +1,32 @@
+"""Thin MLflow REST calls for the background threads: no built-in retries and a short timeout, so the
+sender and heartbeat own their retry policy (MlflowClient's default is 7 retries over minutes)."""
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+from mlflow.utils.credentials import get_default_host_creds
+from mlflow.utils.rest_utils import http_request, verify_rest_response
+
+LOG_BATCH = "/api/2.0/mlflow/runs/log-batch"
+UPDATE_RUN = "/api/2.0/mlflow/runs/update"
+MAX_METRICS_PER_BATCH = 1000  # MLflow's per-request limit
+MAX_TAGS_PER_BATCH = 100
+
+
+class MlflowRest:
+    def __init__(self, tracking_uri: str, timeout_s: float):
+        self._creds = get_default_host_creds(tracking_uri)
+        self._timeout_s = timeout_s
+
+    def log_batch(self, run_id: str, metrics: Iterable[dict] = (), tags: Mapping[str, str] | None = None) -> None:
+        body = {"run_id": run_id, "metrics": list(metrics),
+                "tags": [{"key": k, "value": v} for k, v in (tags or {}).items()]}
+        response = http_request(self._creds, LOG_BATCH, "POST", max_retries=0, backoff_factor=0,
+                                timeout=self._timeout_s, json=body)
+        verify_rest_response(response, LOG_BATCH)
+
+    def update_run(self, run_id: str, status: str, end_time_ms: int) -> None:
+        body = {"run_id": run_id, "run_uuid": run_id, "status": status, "end_time": end_time_ms}
+        response = http_request(self._creds, UPDATE_RUN, "POST", max_retries=0, backoff_factor=0,
+                                timeout=self._timeout_s, json=body)
+        verify_rest_response(response, UPDATE_RUN)

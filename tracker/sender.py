@@ -1,0 +1,95 @@
+"""The background sender: drains spooled points into `log_batch` calls, in order, with backoff."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+from tracker.rest import MAX_METRICS_PER_BATCH, MlflowRest
+from tracker.spool import MetricSpool, Point
+
+log = logging.getLogger(__name__)
+
+
+class MetricSender:
+    """One daemon thread per session. Points are sent in spool order, so the acknowledgement is a
+    watermark. Whatever is queued while a request is in flight forms the next batch (no linger)."""
+
+    def __init__(self, spool: MetricSpool, rest: MlflowRest, run_id: str, *, batch_size: int,
+                 max_backoff_s: float):
+        self._spool = spool
+        self._rest = rest
+        self._run_id = run_id
+        self._batch_size = min(batch_size, MAX_METRICS_PER_BATCH)
+        self._max_backoff_s = max_backoff_s
+        self._queue: deque[Point] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._submitted = spool.acked
+        self.sent_points = 0
+        self.failed_requests = 0
+        self.last_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="rlops-tracker-sender", daemon=True)
+        self._thread.start()
+
+    def submit(self, points: list[Point]) -> None:
+        if not points:
+            return
+        with self._cond:
+            self._queue.extend(points)
+            self._submitted = max(self._submitted, points[-1].seq)
+            self._cond.notify_all()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until everything submitted so far is acknowledged; False if the bound ran out."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            target = self._submitted
+            while self._spool.acked < target:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(min(left, 0.5))
+        return True
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def _run(self) -> None:
+        backoff = 0.0
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return  # unacknowledged points stay in the spool for the next start
+                batch = [self._queue[i] for i in range(min(self._batch_size, len(self._queue)))]
+            try:
+                self._spool.sync()  # off the training thread: the points now survive the node too
+                self._rest.log_batch(self._run_id, [p.to_rest() for p in batch])
+            except Exception as exc:  # noqa: BLE001 - any failure is retried; the spool keeps the points
+                self.failed_requests += 1
+                if self.last_error is None:
+                    log.warning("MLflow unreachable, metrics stay spooled and are retried: %s", exc)
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                backoff = min(self._max_backoff_s, max(0.1, backoff * 2))
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stopping, timeout=backoff)
+                continue
+            backoff = 0.0
+            self.last_error = None
+            self._spool.acknowledge(batch[-1].seq)
+            self.sent_points += len(batch)
+            with self._cond:
+                for _ in batch:
+                    self._queue.popleft()
+                self._cond.notify_all()
