@@ -84,6 +84,8 @@ def demo(obj: CliContext) -> None:
 
 from rlops.commands.data import data_group  # noqa: E402
 main.add_command(data_group)
+from rlops.commands.serve import serve_command  # noqa: E402
+main.add_command(serve_command)
 
 
 if __name__ == "__main__":

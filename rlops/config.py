@@ -117,6 +117,15 @@ class ServingConfig(_Section):
     max_lora_rank: int = Field(32, ge=1)
     max_loras: int = Field(4, ge=1)
     routes_staleness_s: float = Field(1.0, gt=0)
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra engine kwargs (vLLM or the CPU engine)")
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    replica_cpus: float = Field(1.0, gt=0, description="CPUs reserved per LLM replica and per ingress replica")
+    local_num_cpus: int = Field(4, ge=1, description="logical CPUs of the local Ray started by `rlops serve`")
+    api_keys_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                     description="env var with comma-separated API keys; unset = no auth")
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    secrets_name: str = Field("rlops-serving", description="Kubernetes Secret that --print-config references")
 
 
 class LocalTrainingConfig(_Section):

@@ -1,0 +1,346 @@
+"""`AliasIngress`: Ray Serve LLM's `OpenAiIngress`, made alias-aware.
+
+Clients name a model by registry alias (`<base>:<model>[@<alias>|@v<N>]`); the ingress resolves the name
+against the cached routes manifests (no I/O per request), rewrites the routing id and `body.model` to the
+immutable folder (`<base>:<folder>`, what Ray's LoRA loader and the engine match on), then answers with
+the client's own name and the resolved version/alias in headers. Folder names and bucket URIs never
+leave: not in bodies, not in errors, not in `/v1/models`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from typing import Any, AsyncIterator, Mapping
+
+from fastapi import HTTPException, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ray.llm._internal.serve.core.configs.openai_api_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIHTTPException,
+)
+from ray.serve.llm.ingress import OpenAiIngress
+from rlops.layout import ModelNameError, Resolution, parse_s3_uri
+from serving.routes import RoutesCache, internal_model_id
+
+log = logging.getLogger("rlops.serving")
+
+VERSION_HEADER = "x-rlops-model-version"
+ALIAS_HEADER = "x-rlops-model-alias"
+
+
+class IngressSettings(BaseModel):
+    """What the ingress replica needs, passed through `ingress_extra_kwargs` (plain, serializable, no secrets)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_model_id: str
+    lora_path: str
+    served_aliases: list[str]
+    default_alias: str
+    staleness_s: float = Field(gt=0)
+    max_request_bytes: int = Field(gt=0)
+    api_keys_env: str | None = None  # name of the env var with comma-separated keys; None = no auth
+
+
+class ClientError(Exception):
+    """An OpenAI-shaped error answer: status, message (client-safe), type, code, param."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        headers = {"www-authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+# ------------------------------------------------------------------------------------------ pure helpers
+
+
+def api_key_digests(environ: Mapping[str, str], env_name: str | None) -> frozenset[str] | None:
+    """sha256 digests of the configured keys (comma-separated in `env_name`); None when auth is off."""
+    if env_name is None:
+        return None
+    keys = [k.strip() for k in environ.get(env_name, "").split(",") if k.strip()]
+    if not keys:
+        raise ValueError(f"serving.api_keys_env names {env_name}, but that environment variable holds no keys")
+    return frozenset(hashlib.sha256(k.encode()).hexdigest() for k in keys)
+
+
+def check_api_key(authorization: str | None, digests: frozenset[str] | None) -> None:
+    """Raise a 401 ClientError unless `Authorization: Bearer <key>` names a configured key (or auth is off)."""
+    if digests is None:
+        return
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ClientError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
+    # Comparing digests, not keys, keeps the check's timing independent of the keys' contents.
+    if hashlib.sha256(token.strip().encode()).hexdigest() not in digests:
+        raise ClientError(401, "Invalid API key.", code="invalid_api_key")
+
+
+def parse_request(raw: bytes, request_cls: type[BaseModel]) -> Any:
+    """JSON body -> the OpenAI request model, or a 400 naming the first problem."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ClientError(400, "The request body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ClientError(400, "The request body must be a JSON object.", code="invalid_json")
+    if not isinstance(data.get("model"), str):
+        raise ClientError(400, "'model' is required and must be a string.", code="invalid_model_name", param="model")
+    try:
+        return request_cls.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise ClientError(400, f"Invalid request: {first['msg']} at {where}.", param=where) from None
+    except (TypeError, ValueError) as exc:  # vLLM's model validators raise these directly on odd shapes
+        raise ClientError(400, f"Invalid request: {exc}.") from None
+
+
+def resolve(table, raw_name: str) -> Resolution:
+    try:
+        return table.resolve(raw_name)
+    except ModelNameError as exc:
+        raise ClientError(exc.status, str(exc), code=exc.code, param="model") from None
+
+
+def version_headers(resolution: Resolution) -> dict[str, str]:
+    headers = {}
+    if resolution.version is not None:
+        headers[VERSION_HEADER] = str(resolution.version)
+    if resolution.alias is not None:
+        headers[ALIAS_HEADER] = resolution.alias
+    return headers
+
+
+class NameRewriter:
+    """Swaps the internal routing id for the client's name in engine output (JSON-quoted, so text is safe)."""
+
+    def __init__(self, internal_id: str, client_name: str):
+        self.old = json.dumps(internal_id)
+        self.new = json.dumps(client_name)
+        self.active = internal_id != client_name
+
+    def text(self, chunk: str) -> str:
+        return chunk.replace(self.old, self.new) if self.active else chunk
+
+    def body(self, data: bytes) -> bytes:
+        return data.replace(self.old.encode(), self.new.encode()) if self.active else data
+
+
+def scrub(message: str, *secrets_to_hide: tuple[str, str]) -> str:
+    for hidden, shown in secrets_to_hide:
+        message = message.replace(hidden, shown)
+    return message
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+
+
+class IngressMetrics:
+    """Prometheus metrics through Ray Serve's metrics API, tagged by resolved model/alias/version only
+    (never the raw client string: unknown names would blow up the label cardinality)."""
+
+    TAGS = ("registered_model", "alias", "version", "endpoint")
+
+    def __init__(self):
+        from ray.serve import metrics
+
+        self.requests = metrics.Counter("rlops_serving_requests", "Requests by resolved alias/version.", tag_keys=self.TAGS)
+        self.errors = metrics.Counter("rlops_serving_errors", "Error answers by resolved alias/version and status.",
+                                      tag_keys=(*self.TAGS, "status"))
+        self.latency = metrics.Histogram("rlops_serving_latency_ms", "Request latency (to the last byte) in ms.",
+                                         boundaries=[5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000],
+                                         tag_keys=self.TAGS)
+
+    def record(self, resolution: Resolution | None, endpoint: str, status: int, latency_ms: float) -> None:
+        ref = resolution.ref if resolution else None
+        tags = {
+            "registered_model": (ref.model or "(base)") if ref else "(unresolved)",
+            "alias": (resolution.alias or "") if resolution else "",
+            "version": str(resolution.version or "") if resolution else "",
+            "endpoint": endpoint,
+        }
+        self.requests.inc(tags=tags)
+        self.latency.observe(latency_ms, tags=tags)
+        if status >= 400:
+            self.errors.inc(tags={**tags, "status": str(status)})
+
+
+# ----------------------------------------------------------------------------------------------- ingress
+
+
+class AliasIngress(OpenAiIngress):
+    """Plugged into `build_openai_app` with `ingress_cls_config` (`serving.ingress:AliasIngress`)."""
+
+    def __init__(self, llm_deployments, model_cards, *, lora_paths=None, settings: Mapping[str, Any],
+                 s3_client=None, **kwargs):
+        super().__init__(llm_deployments, model_cards, lora_paths=lora_paths, **kwargs)
+        self._settings = IngressSettings.model_validate(dict(settings))
+        # The replica is an entry point: keys come from its environment (a Kubernetes secret in the cluster).
+        self._api_keys = api_key_digests(os.environ, self._settings.api_keys_env)
+        if s3_client is None:
+            import boto3
+            from botocore.config import Config as BotoConfig
+
+            # boto3 reads AWS_ENDPOINT_URL / AWS_REGION / credentials from the job-level runtime env, as Ray's
+            # own LoRA downloader does; short timeouts keep a dead S3 from stalling the refresh thread.
+            s3_client = boto3.client("s3", config=BotoConfig(connect_timeout=2, read_timeout=5,
+                                                             retries={"max_attempts": 2}))
+        self._routes = RoutesCache(
+            s3_client, parse_s3_uri(self._settings.lora_path), base_model_id=self._settings.base_model_id,
+            served_aliases=self._settings.served_aliases, default_alias=self._settings.default_alias,
+            staleness_s=self._settings.staleness_s,
+        )
+        self._routes.start()
+        self._metrics = IngressMetrics()
+
+    def __del__(self):
+        routes = getattr(self, "_routes", None)
+        if routes is not None:
+            routes._stop.set()
+
+    # --------------------------------------------------------------------------------- endpoints
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, ChatCompletionRequest, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, CompletionRequest, "completions")
+
+    async def models(self, request: Request) -> Response:
+        try:
+            check_api_key(request.headers.get("authorization"), self._api_keys)
+        except ClientError as err:
+            return err.response()
+        return Response(self._routes.table.models_json, media_type="application/json")
+
+    async def model_data(self, model: str, request: Request) -> Response:
+        try:
+            check_api_key(request.headers.get("authorization"), self._api_keys)
+            resolution = resolve(self._routes.table, model)
+        except ClientError as err:
+            return err.response()
+        metadata: dict[str, Any] = {"kind": "base" if resolution.ref.model is None else "adapter"}
+        if resolution.ref.model is not None:
+            metadata.update(registered_model=resolution.ref.model, alias=resolution.alias, version=resolution.version)
+        card = {"id": model, "object": "model", "owned_by": "rlops", "permission": [], "metadata": metadata}
+        return JSONResponse(card, headers=version_headers(resolution))
+
+    async def embeddings(self, request: Request) -> Response:
+        return self._not_served("/v1/embeddings")
+
+    async def transcriptions(self, request: Request) -> Response:
+        return self._not_served("/v1/audio/transcriptions")
+
+    async def score(self, request: Request) -> Response:
+        return self._not_served("/v1/score")
+
+    async def tokenize(self, request: Request) -> Response:
+        return self._not_served("/tokenize")
+
+    async def detokenize(self, request: Request) -> Response:
+        return self._not_served("/detokenize")
+
+    @staticmethod
+    def _not_served(path: str) -> Response:
+        # Only chat and completions go through alias resolution; the stock handlers would accept raw folders.
+        return ClientError(404, f"{path} is not served by this endpoint.", code="unsupported_endpoint").response()
+
+    # --------------------------------------------------------------------------------- the request path
+
+    async def _generate(self, request: Request, request_cls: type[BaseModel], endpoint: str) -> Response:
+        started = time.perf_counter()
+        resolution: Resolution | None = None
+        try:
+            check_api_key(request.headers.get("authorization"), self._api_keys)
+            body = parse_request(await self._read_body(request), request_cls)
+            resolution = resolve(self._routes.table, body.model)
+            response = await self._forward(body, resolution, endpoint, request)
+        except ClientError as err:
+            self._finish(resolution, endpoint, err.status, started, stream=False)
+            return err.response()
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = self._finish_after(response.body_iterator, resolution, endpoint, started)
+        else:
+            self._finish(resolution, endpoint, response.status_code, started, stream=False)
+        return response
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self._settings.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise ClientError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ClientError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _forward(self, body, resolution: Resolution, endpoint: str, request: Request) -> Response:
+        client_name = body.model
+        internal_id = internal_model_id(self._settings.base_model_id, resolution.folder)
+        body.model = internal_id
+        hide = ((self._settings.lora_path, "<adapter store>"), (internal_id, client_name))
+        try:
+            response = await self._process_llm_request(body, call_method=endpoint, raw_request=request)
+        except (OpenAIHTTPException, HTTPException) as exc:
+            status = exc.status_code
+            detail = exc.message if isinstance(exc, OpenAIHTTPException) else str(exc.detail)
+            if status == 404:
+                # Ray's LoRA loader answers 404 when the folder is gone (or S3 is unreachable).
+                raise ClientError(404, f"The model {client_name!r} is not available: its adapter could not be loaded.",
+                                  code="model_not_available", param="model") from None
+            if status >= 500:
+                log.error("engine error for %s: %s", client_name, scrub(detail, *hide))
+                raise ClientError(status, f"The model {client_name!r} failed to answer.", type="server_error") from None
+            raise ClientError(status, scrub(detail, *hide)) from None
+        except Exception as exc:  # noqa: BLE001 - anything else is ours: log it (scrubbed), answer a plain 500
+            log.error("error serving %s: %s: %s", client_name, type(exc).__name__, scrub(str(exc), *hide))
+            raise ClientError(500, f"The model {client_name!r} failed to answer.", type="server_error") from None
+        rewrite = NameRewriter(internal_id, client_name)
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = _rewrite_stream(response.body_iterator, rewrite)
+        else:
+            response.body = rewrite.body(response.body)
+            response.headers["content-length"] = str(len(response.body))
+        response.headers.update(version_headers(resolution))
+        return response
+
+    async def _finish_after(self, chunks: AsyncIterator, resolution, endpoint: str, started: float):
+        status = 200
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except BaseException:
+            status = 499  # client went away or the stream broke after the headers were sent
+            raise
+        finally:
+            self._finish(resolution, endpoint, status, started, stream=True)
+
+    def _finish(self, resolution: Resolution | None, endpoint: str, status: int, started: float, *, stream: bool) -> None:
+        latency_ms = (time.perf_counter() - started) * 1000
+        self._metrics.record(resolution, endpoint, status, latency_ms)
+        ref = resolution.ref if resolution else None
+        log.info(json.dumps({
+            "event": "request", "endpoint": endpoint, "status": status, "stream": stream,
+            "model": ref.raw if ref else None, "alias": resolution.alias if resolution else None,
+            "version": resolution.version if resolution else None, "latency_ms": round(latency_ms, 2),
+        }))
+
+
+async def _rewrite_stream(chunks: AsyncIterator, rewrite: NameRewriter):
+    async for chunk in chunks:
+        yield rewrite.text(chunk) if isinstance(chunk, str) else rewrite.body(chunk)

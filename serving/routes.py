@@ -1,0 +1,188 @@
+"""Routes: the published manifests as an immutable table (pure), and a cache that keeps it fresh from S3.
+
+The request path only reads `RoutesCache.table` (a reference swap, no I/O). A background thread lists
+`<prefix>/_routes/` every `staleness_s / 2` and fetches only the manifests whose ETag changed, so a
+published alias move is visible within `staleness_s` and no S3 call is ever made per request.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable, Iterable, Mapping
+
+from pydantic import ValidationError
+
+from rlops.layout import (
+    Resolution,
+    RoutesManifest,
+    S3Location,
+    model_from_routes_key,
+    parse_model_name,
+    resolve_model_name,
+    routes_prefix,
+)
+
+log = logging.getLogger(__name__)
+
+
+def internal_model_id(base_model_id: str, folder: str | None) -> str:
+    """The id Ray and the engine route on: `<base>:<folder>`, or the bare base. Never shown to clients."""
+    return base_model_id if folder is None else f"{base_model_id}:{folder}"
+
+
+@dataclass(frozen=True)
+class RoutesTable:
+    """One consistent snapshot of every published manifest. Immutable: the cache swaps whole tables."""
+
+    base_model_id: str
+    served_aliases: tuple[str, ...]
+    default_alias: str
+    manifests: Mapping[str, RoutesManifest] = field(default_factory=dict)
+
+    def resolve(self, raw_name: object) -> Resolution:
+        """Client name -> route; raises MalformedModelName (400) or ModelNotFound (404), client-safe messages."""
+        ref = parse_model_name(raw_name, self.default_alias)
+        return resolve_model_name(ref, self.base_model_id, self.manifests, self.served_aliases)
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """`/v1/models` entries: the base, then `<base>:<model>@<alias>` for every served alias that is set
+        (plus `<base>:<model>` for the default alias), with the version each points to. No folders, no URIs."""
+        cards = [_card(self.base_model_id, {"kind": "base"})]
+        for model in sorted(self.manifests):
+            manifest = self.manifests[model]
+            for alias in self.served_aliases:
+                route = manifest.aliases.get(alias)
+                if route is None:
+                    continue
+                meta = {"kind": "alias", "registered_model": model, "alias": alias, "version": route.version,
+                        "promoted_at": route.promoted_at}
+                if alias == self.default_alias:
+                    cards.append(_card(f"{self.base_model_id}:{model}", meta))
+                cards.append(_card(f"{self.base_model_id}:{model}@{alias}", meta))
+        return cards
+
+    @cached_property
+    def models_json(self) -> bytes:
+        """The `/v1/models` body, serialized once per table (10k entries stay fast)."""
+        return json.dumps({"object": "list", "data": self.model_cards()}, separators=(",", ":")).encode()
+
+
+def _card(model_id: str, metadata: dict[str, Any]) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "owned_by": "rlops", "permission": [], "metadata": metadata}
+
+
+def plan_refresh(known_etags: Mapping[str, str], listing: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """Given the ETags we hold and a fresh listing (key -> ETag): (keys to fetch, keys that disappeared)."""
+    changed = [key for key, etag in listing.items() if known_etags.get(key) != etag]
+    removed = [key for key in known_etags if key not in listing]
+    return sorted(changed), sorted(removed)
+
+
+class RoutesCache:
+    """Keeps a `RoutesTable` fresh from `<prefix>/_routes/*.json` (ETag listing, changed files only).
+
+    A manifest that cannot be read or validated keeps its last good version (serving goes on with what
+    was published); an S3 outage keeps the whole last table. Failures are logged, never raised to clients.
+    """
+
+    def __init__(self, s3_client, location: S3Location, *, base_model_id: str, served_aliases: Iterable[str],
+                 default_alias: str, staleness_s: float, clock: Callable[[], float] = time.time):
+        self._s3 = s3_client
+        self._location = location
+        self._staleness_s = staleness_s
+        self._clock = clock
+        self._etags: dict[str, str] = {}
+        self._manifests: dict[str, RoutesManifest] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.table = RoutesTable(base_model_id, tuple(served_aliases), default_alias)
+        self.refreshed_at = 0.0  # clock() at the start of the last successful listing
+        self.last_error: str | None = None
+
+    def refresh(self) -> bool:
+        """One listing pass; True if the table changed. Called from one thread at a time."""
+        started = self._clock()
+        try:
+            listing = self._list()
+        except Exception as exc:  # noqa: BLE001 - an outage must not take routing down
+            self._note_error(f"listing {self._location.uri}/_routes failed: {type(exc).__name__}")
+            return False
+        to_fetch, removed = plan_refresh(self._etags, listing)
+        changed = bool(removed)
+        for key in removed:
+            del self._etags[key]
+            model = model_from_routes_key(self._location, key)
+            if model is not None:
+                self._manifests.pop(model, None)
+        failed = False
+        for key in to_fetch:
+            model = model_from_routes_key(self._location, key)
+            manifest, etag = (None, listing[key]) if model is None else self._fetch(key, model)
+            if manifest is None and not etag:
+                failed = True  # unreadable or invalid: keep the last good version, retry next pass
+                continue
+            self._etags[key] = etag  # also remembers names we skip, so they are not re-fetched
+            if manifest is not None:
+                self._manifests[model] = manifest
+                changed = True
+        if changed:
+            table = self.table
+            self.table = RoutesTable(table.base_model_id, table.served_aliases, table.default_alias, dict(self._manifests))
+        self.refreshed_at = started
+        if not failed:
+            self.last_error = None
+        return changed
+
+    def _list(self) -> dict[str, str]:
+        listing: dict[str, str] = {}
+        paginator = self._s3.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self._location.bucket, Prefix=routes_prefix(self._location)):
+            for obj in page.get("Contents", []):
+                listing[obj["Key"]] = obj.get("ETag", "")
+        return listing
+
+    def _fetch(self, key: str, model: str) -> tuple[RoutesManifest | None, str]:
+        """(manifest, etag); (None, etag) for a manifest to skip for good; (None, "") to retry later."""
+        try:
+            obj = self._s3.get_object(Bucket=self._location.bucket, Key=key)
+            body = obj["Body"].read()
+        except Exception as exc:  # noqa: BLE001 - deleted between list and get, or an outage: retry next pass
+            self._note_error(f"reading {key} failed: {type(exc).__name__}")
+            return None, ""
+        try:
+            manifest = RoutesManifest.model_validate_json(body)
+        except ValidationError as exc:
+            self._note_error(f"manifest {key} is invalid ({exc.error_count()} errors); keeping the last good one")
+            return None, ""
+        if manifest.model != model:
+            self._note_error(f"manifest {key} names model {manifest.model!r}; ignored")
+            return None, obj.get("ETag", "") or "-"
+        return manifest, obj.get("ETag", "")
+
+    def _note_error(self, message: str) -> None:
+        if message != self.last_error:
+            log.warning("routes: %s", message)
+        self.last_error = message
+
+    # ------------------------------------------------------------------------------- background refresh
+
+    def start(self) -> None:
+        """First refresh now (so the app starts with its routes), then every staleness_s / 2 in a thread."""
+        self.refresh()
+        self._thread = threading.Thread(target=self._loop, name="rlops-routes-refresh", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        interval = self._staleness_s / 2
+        while not self._stop.wait(interval):
+            self.refresh()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+

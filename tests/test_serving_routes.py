@@ -1,0 +1,233 @@
+"""Serving's pure parts (name resolution on the routes table, refresh planning, stop strings, auth, output
+rewriting, app args) and the routes cache against the session's real S3 (ETag listing)."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from rlops.layout import AliasRoute, MalformedModelName, ModelNotFound, RoutesManifest, parse_s3_uri, routes_key
+from serving.engines.text import StopTextAssembler
+from serving.ingress import ClientError, NameRewriter, api_key_digests, check_api_key, parse_request, version_headers
+from serving.routes import RoutesCache, RoutesTable, internal_model_id, plan_refresh
+
+BASE = "visgym-qwen3vl"
+
+
+def manifest(model: str, generation: int = 1, **aliases: int) -> RoutesManifest:
+    return RoutesManifest(
+        model=model, generation=generation,
+        aliases={a: AliasRoute(version=v, folder=f"{model}-v{v}", files={"adapter_config.json": "0" * 64},
+                               promoted_at="2026-01-01T00:00:00.000Z", trigger="test") for a, v in aliases.items()},
+        history=[{"alias": "production", "version": 1, "at": "2026-01-01T00:00:00.000Z", "trigger": "test"}],
+    )
+
+
+@pytest.fixture
+def table() -> RoutesTable:
+    return RoutesTable(BASE, ("production", "staging"), "production",
+                       {"maze-grpo": manifest("maze-grpo", production=3, staging=4, canary=5)})
+
+
+# ------------------------------------------------------------------------------------------ resolution
+
+
+def test_resolution_covers_every_name_form(table: RoutesTable):
+    base = table.resolve(BASE)
+    assert (base.folder, base.version, base.alias) == (None, None, None)
+    default = table.resolve(f"{BASE}:maze-grpo")
+    assert (default.folder, default.version, default.alias) == ("maze-grpo-v3", 3, "production")
+    staging = table.resolve(f"{BASE}:maze-grpo@staging")
+    assert (staging.folder, staging.version, staging.alias) == ("maze-grpo-v4", 4, "staging")
+    pinned = table.resolve(f"{BASE}:maze-grpo@v1")  # only in history: still addressable
+    assert (pinned.folder, pinned.version, pinned.alias) == ("maze-grpo-v1", 1, None)
+    assert internal_model_id(BASE, staging.folder) == f"{BASE}:maze-grpo-v4"
+    assert internal_model_id(BASE, None) == BASE
+
+
+@pytest.mark.parametrize("name, error, needle", [
+    (f"{BASE}:maze-grpo-v3", ModelNotFound, "does not exist"),          # raw folder names are never accepted
+    (f"{BASE}:other", ModelNotFound, "does not exist"),
+    ("other-base", ModelNotFound, "does not exist"),
+    (f"{BASE}:maze-grpo@canary", ModelNotFound, "not served"),          # set in the manifest, not a served alias
+    (f"{BASE}:maze-grpo@v9", ModelNotFound, "never promoted"),
+    (f"{BASE}:maze-grpo@bad alias", MalformedModelName, "alias"),
+    (f"{BASE}:../etc", MalformedModelName, "no '..'"),
+    (f"{BASE}:maze/grpo", MalformedModelName, "registered model name"),
+    ("x" * 300, MalformedModelName, "longer than"),
+    ("", MalformedModelName, "non-empty"),
+])
+def test_bad_names_get_specific_client_safe_errors(table: RoutesTable, name, error, needle):
+    with pytest.raises(error) as info:
+        table.resolve(name)
+    message = str(info.value)
+    assert needle in message
+    assert "maze-grpo-v3" not in message.replace(name, "") and "s3://" not in message
+
+
+def test_unset_served_alias_is_404_alias_not_set():
+    only_prod = RoutesTable(BASE, ("production", "staging"), "production", {"m": manifest("m", production=1)})
+    with pytest.raises(ModelNotFound, match="alias 'staging' not set"):
+        only_prod.resolve(f"{BASE}:m@staging")
+
+
+def test_models_list_has_base_and_served_aliases_without_folders(table: RoutesTable):
+    body = json.loads(table.models_json)
+    ids = [card["id"] for card in body["data"]]
+    assert ids == [BASE, f"{BASE}:maze-grpo", f"{BASE}:maze-grpo@production", f"{BASE}:maze-grpo@staging"]
+    versions = {card["id"]: card["metadata"].get("version") for card in body["data"]}
+    assert versions[f"{BASE}:maze-grpo@staging"] == 4 and versions[f"{BASE}:maze-grpo"] == 3
+    assert "maze-grpo-v" not in table.models_json.decode() and "s3://" not in table.models_json.decode()
+
+
+def test_models_list_with_10k_manifests_is_fast():
+    manifests = {f"m{i}": manifest(f"m{i}", production=1, staging=2) for i in range(10_000)}
+    big = RoutesTable(BASE, ("production", "staging"), "production", manifests)
+    started = time.perf_counter()
+    body = big.models_json
+    first_ms = (time.perf_counter() - started) * 1000
+    started = time.perf_counter()
+    assert big.models_json is body  # serialized once per table
+    assert (time.perf_counter() - started) * 1000 < 1
+    assert len(json.loads(body)["data"]) == 1 + 3 * 10_000
+    assert first_ms < 2000
+
+
+def test_plan_refresh_fetches_only_changed_and_drops_removed():
+    known = {"p/_routes/a.json": "e1", "p/_routes/b.json": "e2", "p/_routes/c.json": "e3"}
+    listing = {"p/_routes/a.json": "e1", "p/_routes/b.json": "e2b", "p/_routes/d.json": "e4"}
+    assert plan_refresh(known, listing) == (["p/_routes/b.json", "p/_routes/d.json"], ["p/_routes/c.json"])
+    assert plan_refresh(listing, listing) == ([], [])
+
+
+# ------------------------------------------------------------------------------------------ engine text
+
+
+def words(*tokens: str):
+    return lambda ids: " ".join(tokens[i] for i in ids)
+
+
+def test_stop_string_ends_text_and_is_never_streamed_in_part():
+    decode = words("move", "right", "st", "op", "left")
+    assembler = StopTextAssembler(decode, stop=["st op"])
+    deltas = [assembler.add(i) for i in range(5)]
+    assert assembler.stopped and assembler.text == "move right "
+    assert "".join(deltas) == "move right "
+    assert all("st" not in d for d in deltas)
+    assert assembler.token_count == 4  # the 5th token came after the stop and was not taken
+
+
+def test_without_stop_the_text_is_the_plain_decode():
+    decode = words("move", "right", "stop")
+    assembler = StopTextAssembler(decode, stop=["xyz"])
+    streamed = "".join(assembler.add(i) for i in range(3)) + assembler.flush()
+    assert streamed == assembler.text == "move right stop" and not assembler.stopped
+
+
+# ------------------------------------------------------------------------------------------ ingress helpers
+
+
+def test_api_keys_are_checked_against_configured_digests():
+    digests = api_key_digests({"KEYS": "k-one, k-two"}, "KEYS")
+    check_api_key("Bearer k-two", digests)
+    check_api_key(None, None)  # auth off
+    for header in (None, "Bearer", "Basic k-one", "Bearer k-three"):
+        with pytest.raises(ClientError) as info:
+            check_api_key(header, digests)
+        assert info.value.status == 401 and "k-one" not in info.value.message
+    with pytest.raises(ValueError, match="KEYS"):
+        api_key_digests({}, "KEYS")
+
+
+def test_request_parsing_gives_openai_400s():
+    from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
+
+    for raw, needle in ((b"{", "not valid JSON"), (b"[]", "JSON object"), (b'{"messages": []}', "'model' is required"),
+                        (b'{"model": "m", "messages": 3}', "Invalid request")):
+        with pytest.raises(ClientError) as info:
+            parse_request(raw, ChatCompletionRequest)
+        assert info.value.status == 400 and needle in info.value.message
+    body = parse_request(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}', ChatCompletionRequest)
+    assert body.model == "m"
+
+
+def test_rewriter_replaces_only_the_quoted_routing_id(table: RoutesTable):
+    rewrite = NameRewriter(f"{BASE}:maze-grpo-v4", f"{BASE}:maze-grpo@staging")
+    chunk = 'data: {"model":"visgym-qwen3vl:maze-grpo-v4","choices":[{"delta":{"content":"visgym-qwen3vl:maze-grpo-v4 x"}}]}'
+    out = rewrite.text(chunk)
+    assert '"model":"visgym-qwen3vl:maze-grpo@staging"' in out
+    assert rewrite.body(chunk.encode()) == out.encode()
+    assert version_headers(table.resolve(f"{BASE}:maze-grpo@staging")) == {
+        "x-rlops-model-version": "4", "x-rlops-model-alias": "staging"}
+    assert version_headers(table.resolve(BASE)) == {}
+
+
+# ------------------------------------------------------------------------------------------ app args
+
+
+def test_app_args_and_print_config_carry_no_secrets(stack):
+    from serving.app import app_args, serve_config_v2
+
+    config = stack.config.model_copy(deep=True)
+    config.serving.api_keys_env = "RLOPS_TEST_KEYS"
+    args = app_args(config, "transformers")
+    llm = args["llm_configs"][0]
+    assert llm["runtime_env"]["env_vars"]["RAYLLM_VLLM_ENGINE_CLS"].endswith(":TransformersEngine")
+    assert llm["lora_config"]["dynamic_lora_loading_path"] == config.lora_path
+    assert llm["engine_kwargs"]["max_lora_rank"] == 32
+    assert args["ingress_cls_config"]["ingress_cls"] == "serving.ingress:AliasIngress"
+    printed = serve_config_v2(config)
+    text = json.dumps(printed)
+    secret = stack.env["AWS_SECRET_ACCESS_KEY"]
+    assert secret not in text and stack.env["AWS_ACCESS_KEY_ID"] not in text
+    vllm = printed["serveConfigV2"]["applications"][0]["args"]["llm_configs"][0]["engine_kwargs"]
+    assert vllm["enable_lora"] is True and vllm["max_loras"] == config.serving.max_loras
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in printed["podEnv"]}
+    assert set(refs) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "RLOPS_TEST_KEYS"}
+
+
+# ------------------------------------------------------------------------------------------ the cache on S3
+
+
+def test_routes_cache_follows_s3_with_etags(stack, unique_name):
+    s3 = stack.s3()
+    location = parse_s3_uri(f"s3://{stack.config.storage.bucket}/lora-{unique_name}")
+
+    def publish(m: RoutesManifest) -> None:
+        s3.put_object(Bucket=location.bucket, Key=routes_key(location, m.model), Body=m.model_dump_json().encode())
+
+    calls = {"get": 0}
+    real_get = s3.get_object
+
+    def counting_get(**kwargs):
+        calls["get"] += 1
+        return real_get(**kwargs)
+
+    s3.get_object = counting_get  # counts real S3 reads; the client itself is untouched
+    publish(manifest("a", production=1))
+    publish(manifest("b", production=2))
+    cache = RoutesCache(s3, location, base_model_id=BASE, served_aliases=["production", "staging"],
+                        default_alias="production", staleness_s=0.2)
+    assert cache.refresh() is True
+    assert cache.table.resolve(f"{BASE}:a").version == 1 and calls["get"] == 2
+    assert cache.refresh() is False and calls["get"] == 2  # nothing changed: listing only
+    publish(manifest("a", generation=2, production=3))
+    s3.delete_object(Bucket=location.bucket, Key=routes_key(location, "b"))
+    s3.put_object(Bucket=location.bucket, Key=location.key("_routes", "notes.txt"), Body=b"x")
+    s3.put_object(Bucket=location.bucket, Key=routes_key(location, "broken"), Body=b"{not json")
+    assert cache.refresh() is True
+    assert cache.table.resolve(f"{BASE}:a").version == 3
+    with pytest.raises(ModelNotFound):
+        cache.table.resolve(f"{BASE}:b")
+    assert cache.last_error and "broken" in cache.last_error
+
+    cache.start()  # background refresh within the staleness bound
+    try:
+        publish(manifest("a", generation=3, production=4))
+        published = time.monotonic()
+        while cache.table.resolve(f"{BASE}:a").version != 4:
+            assert time.monotonic() - published < 0.2 + 0.5, "route not refreshed within the staleness bound"
+            time.sleep(0.02)
+    finally:
+        cache.stop()
