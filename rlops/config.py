@@ -100,6 +100,25 @@ class RegistryConfig(_Section):
                 raise ValueError(f"alias {alias!r} must match {ALIAS_PATTERN} and not be 'latest' or 'v<N>'")
         return aliases
 
+    # registry_hooks/ (issue 5): what a promotable adapter is, how it is copied, how long folders live
+    accepted_base_models: list[str] = Field(
+        default_factory=list, description="base names an adapter may declare besides serving's model_source")
+    allowed_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                 "qkv", "proj", "linear_fc1", "linear_fc2"],
+        description="leaf module names the served base (Qwen3-VL text + vision) can take LoRA weights on")
+    guarded_aliases: list[str] = Field(
+        default_factory=lambda: ["production"], description="promote refuses a worse eval metric here without --force")
+    copy_mode: Literal["auto", "server_side", "streaming", "proxy"] = Field(
+        "auto", description="auto: copy_object when MLflow artifacts are in the same S3, streaming otherwise")
+    artifacts_endpoint_url: str | None = Field(
+        None, description="S3 endpoint of MLflow's artifact store when it differs from storage.endpoint_url "
+        "(credentials: ARTIFACTS_AWS_ACCESS_KEY_ID / ARTIFACTS_AWS_SECRET_ACCESS_KEY)")
+    artifacts_region: str | None = None
+    history_limit: int = Field(200, ge=1, description="routes manifest keeps this many history entries")
+    gc_retention_s: float = Field(30 * 86400, ge=0, description="gc keeps folders named in history this long")
+    gc_grace_s: float = Field(3600, ge=0, description="gc never deletes a folder younger than this")
+
     @model_validator(mode="after")
     def _default_is_served(self) -> "RegistryConfig":
         if self.default_alias not in self.served_aliases:
@@ -181,6 +200,18 @@ class TrainingConfig(_Section):
     local: LocalTrainingConfig = Field(default_factory=LocalTrainingConfig)
 
 
+class HooksConfig(_Section):
+    """`rlops hooks serve`: the MLflow webhook receiver and the reconciler loop (registry_hooks/)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8090, ge=1, le=65535)
+    public_url: str | None = Field(None, description="URL MLflow posts to; default http://<host>:<port>/webhook")
+    secret: str | None = Field(None, description="HMAC secret shared with MLflow; set RLOPS_HOOKS__SECRET, never the file")
+    webhook_enabled: bool = True
+    reconcile_interval_s: float = Field(30.0, ge=0, description="0 turns the reconciler loop off")
+    timestamp_tolerance_s: float = Field(300.0, gt=0, description="older or future-dated deliveries get 401")
+
+
 class Config(_Section):
     data_dir: str = ".rlops"
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
@@ -189,6 +220,7 @@ class Config(_Section):
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    hooks: HooksConfig = Field(default_factory=HooksConfig)
 
     # Derived values: one place decides each default that depends on another key.
     @property
@@ -397,6 +429,24 @@ def s3_client_kwargs(config: Config, environ: Mapping[str, str] | None = None) -
     creds = s3_credentials(config, environ)
     if creds:
         kwargs["aws_access_key_id"], kwargs["aws_secret_access_key"] = creds
+    return kwargs
+
+
+ARTIFACTS_CREDENTIAL_ENV = ("ARTIFACTS_AWS_ACCESS_KEY_ID", "ARTIFACTS_AWS_SECRET_ACCESS_KEY")
+
+
+def artifacts_s3_client_kwargs(config: Config, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """boto3 kwargs for MLflow's artifact store: the storage S3 unless registry.artifacts_* or the
+    ARTIFACTS_AWS_* credentials name another one (promotion then streams instead of copy_object)."""
+    environ = os.environ if environ is None else environ
+    kwargs = s3_client_kwargs(config, environ)
+    if config.registry.artifacts_endpoint_url:
+        kwargs["endpoint_url"] = config.registry.artifacts_endpoint_url
+    if config.registry.artifacts_region:
+        kwargs["region_name"] = config.registry.artifacts_region
+    key_id, secret = (environ.get(name) for name in ARTIFACTS_CREDENTIAL_ENV)
+    if key_id and secret:
+        kwargs["aws_access_key_id"], kwargs["aws_secret_access_key"] = key_id, secret
     return kwargs
 
 

@@ -1,0 +1,147 @@
+"""Thin MLflow registry I/O: the served intent, where a version's adapter files live, audit tags."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from rlops.config import Config
+from rlops.layout import S3Location, parse_s3_uri
+
+SHA256_TAG = "rlops.sha256."
+BASE_MODEL_TAG = "rlops.base_model"
+METRIC_KEY_TAG = "rlops.metric_key"
+METRIC_VALUE_TAG = "rlops.metric_value"
+LEGACY_PRODUCTION_STAGE = "Production"
+LEGACY_PRODUCTION_ALIAS = "production"
+# Audit tags written on a version when it is published or refused.
+FOLDER_TAG = "serving.folder"
+PROMOTED_AT_TAG = "serving.promoted_at"
+PROMOTED_BY_TAG = "serving.promoted_by"
+TRIGGER_TAG = "serving.trigger"
+REFUSED_TAG = "serving.refused"
+
+
+class RegistryNotFound(LookupError):
+    """A registered model, version or alias that does not exist (message names which)."""
+
+
+@dataclass(frozen=True)
+class VersionSource:
+    """Where one registered version's adapter files are and what the tracker recorded about them."""
+
+    model: str
+    version: int
+    artifact_uri: str
+    checksums: dict[str, str]
+    base_model: str | None
+    metric_key: str | None
+    metric_value: float | None
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+def mlflow_client(config: Config) -> MlflowClient:
+    return MlflowClient(tracking_uri=config.tracking_uri, registry_uri=config.tracking_uri)
+
+
+def _not_found(exc: MlflowException) -> bool:
+    return exc.error_code == "RESOURCE_DOES_NOT_EXIST"
+
+
+def read_intent(client: MlflowClient, model: str, served_aliases: list[str]) -> dict[str, int] | None:
+    """Served alias -> version for `model`; None when the registered model does not exist.
+
+    A legacy stage "Production" counts as the `production` alias only when that alias is not set.
+    """
+    try:
+        registered = client.get_registered_model(model)
+    except MlflowException as exc:
+        if _not_found(exc):
+            return None
+        raise
+    intent = {alias: int(v) for alias, v in registered.aliases.items() if alias in served_aliases}
+    if LEGACY_PRODUCTION_ALIAS in served_aliases and LEGACY_PRODUCTION_ALIAS not in intent:
+        staged = [int(mv.version) for mv in registered.latest_versions or [] if mv.current_stage == LEGACY_PRODUCTION_STAGE]
+        if staged:
+            intent[LEGACY_PRODUCTION_ALIAS] = max(staged)
+    return intent
+
+
+def version_by_alias(client: MlflowClient, model: str, alias: str) -> int:
+    try:
+        return int(client.get_model_version_by_alias(model, alias).version)
+    except MlflowException as exc:
+        if _not_found(exc):
+            raise RegistryNotFound(f"alias {alias!r} is not set on registered model {model!r}") from None
+        raise
+
+
+def require_model(client: MlflowClient, model: str) -> None:
+    try:
+        client.get_registered_model(model)
+    except MlflowException as exc:
+        if _not_found(exc):
+            raise RegistryNotFound(f"registered model {model!r} does not exist in {client.tracking_uri}") from None
+        raise
+
+
+def _metric(tags: dict[str, str]) -> tuple[str | None, float | None]:
+    try:
+        value = float(tags[METRIC_VALUE_TAG]) if METRIC_VALUE_TAG in tags else None
+    except ValueError:
+        value = None
+    return tags.get(METRIC_KEY_TAG), value
+
+
+def version_source(client: MlflowClient, model: str, version: int) -> VersionSource:
+    """The version's artifact URI and recorded checksums (LoggedModel tags, else the version's own tags)."""
+    try:
+        mv = client.get_model_version(model, str(version))
+    except MlflowException as exc:
+        if _not_found(exc):
+            raise RegistryNotFound(f"version {version} of registered model {model!r} does not exist") from None
+        raise
+    version_tags = dict(mv.tags or {})
+    source_tags: dict[str, str] = {}
+    artifact_uri = mv.source
+    model_id = mv.model_id or (mv.source[len("models:/"):] if mv.source.startswith("models:/") else None)
+    if model_id and "/" not in model_id:
+        logged = client.get_logged_model(model_id)
+        artifact_uri = logged.artifact_location
+        source_tags = dict(logged.tags or {})
+    recorded = {**version_tags, **source_tags}
+    checksums = {k[len(SHA256_TAG):]: v.lower() for k, v in recorded.items() if k.startswith(SHA256_TAG)}
+    metric_key, metric_value = _metric(version_tags)
+    return VersionSource(model, int(mv.version), artifact_uri, checksums, recorded.get(BASE_MODEL_TAG),
+                         metric_key, metric_value, version_tags)
+
+
+def artifact_s3_location(config: Config, artifact_uri: str) -> S3Location | None:
+    """`s3://...` as is; `mlflow-artifacts:/<path>` mapped under the server's S3 artifacts destination."""
+    if artifact_uri.startswith("s3://"):
+        return parse_s3_uri(artifact_uri)
+    if artifact_uri.startswith("mlflow-artifacts:"):
+        path = artifact_uri[len("mlflow-artifacts:"):]
+        if path.startswith("//"):  # mlflow-artifacts://host:port/path
+            path = "/" + path[2:].partition("/")[2]
+        destination = config.artifacts_destination
+        if destination.startswith("s3://"):
+            return parse_s3_uri(destination.rstrip("/") + "/" + path.lstrip("/"))
+    return None
+
+
+def set_tags(client: MlflowClient, model: str, version: int, tags: dict[str, str]) -> None:
+    for key, value in tags.items():
+        client.set_model_version_tag(model, str(version), key, value)
+
+
+def set_alias(client: MlflowClient, model: str, alias: str, version: int) -> None:
+    client.set_registered_model_alias(model, alias, str(version))
+
+
+def list_versions(client: MlflowClient, model: str) -> list:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return list(client.search_model_versions(f"name='{model}'"))

@@ -1,0 +1,173 @@
+"""Thin S3 I/O for promotion: adapter folders, conditional manifest writes, copies that verify sha256."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Callable
+
+from botocore.exceptions import ClientError
+from boto3.s3.transfer import TransferConfig
+
+from rlops.layout import ADAPTER_CONFIG, RoutesManifest, S3Location, model_from_routes_key, routes_key, routes_prefix
+
+Progress = Callable[[int], None]
+CHUNK = 8 * 1024 * 1024
+# copy_object handles objects up to 5 GiB in one request; larger ones go multipart (UploadPartCopy).
+SERVER_SIDE_COPY = TransferConfig(multipart_threshold=5 * 1024**3, multipart_chunksize=512 * 1024**2)
+STREAMING = TransferConfig(multipart_threshold=CHUNK, multipart_chunksize=CHUNK, max_concurrency=4)
+STATUS_DIR = "_status"
+
+
+class ManifestConflict(RuntimeError):
+    """Another writer published the manifest since we read it (conditional write failed)."""
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    bucket: str
+    key: str
+
+
+@dataclass(frozen=True)
+class FolderObject:
+    name: str
+    size: int
+    last_modified: datetime
+
+
+def is_missing(exc: ClientError) -> bool:
+    return exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound")
+
+
+def list_folder(client, bucket: str, prefix: str) -> dict[str, FolderObject]:
+    """Objects directly or deeply under `prefix/`, by name relative to it."""
+    head = prefix.rstrip("/") + "/"
+    found: dict[str, FolderObject] = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=head):
+        for obj in page.get("Contents", []):
+            name = obj["Key"][len(head):]
+            found[name] = FolderObject(name, obj["Size"], obj["LastModified"])
+    return found
+
+
+def list_subfolders(client, location: S3Location) -> list[str]:
+    head = location.key("") + "/" if location.prefix else ""
+    names = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=location.bucket, Prefix=head, Delimiter="/"):
+        names.extend(p["Prefix"][len(head):].rstrip("/") for p in page.get("CommonPrefixes", []))
+    return names
+
+
+def read_range(client, ref: ObjectRef, start: int, length: int) -> bytes:
+    body = client.get_object(Bucket=ref.bucket, Key=ref.key, Range=f"bytes={start}-{start + length - 1}")["Body"]
+    return body.read()
+
+
+def read_object(client, ref: ObjectRef) -> bytes:
+    return client.get_object(Bucket=ref.bucket, Key=ref.key)["Body"].read()
+
+
+def sha256_of(client, ref: ObjectRef) -> str:
+    digest = hashlib.sha256()
+    body = client.get_object(Bucket=ref.bucket, Key=ref.key)["Body"]
+    for chunk in body.iter_chunks(CHUNK):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def server_side_copy(client, src: ObjectRef, dst: ObjectRef, progress: Progress | None = None) -> None:
+    client.copy({"Bucket": src.bucket, "Key": src.key}, dst.bucket, dst.key, Config=SERVER_SIDE_COPY,
+                Callback=progress)
+
+
+def streaming_copy(src_client, src: ObjectRef, dst_client, dst: ObjectRef, progress: Progress | None = None) -> None:
+    """GET from one S3 and multipart-PUT into another as the bytes arrive (no temp file, bounded memory)."""
+    body = src_client.get_object(Bucket=src.bucket, Key=src.key)["Body"]
+    dst_client.upload_fileobj(body, dst.bucket, dst.key, Config=STREAMING, Callback=progress)
+
+
+def upload_file(client, path: str, dst: ObjectRef, progress: Progress | None = None) -> None:
+    client.upload_file(path, dst.bucket, dst.key, Config=STREAMING, Callback=progress)
+
+
+def delete_keys(client, bucket: str, keys: list[str]) -> None:
+    for start in range(0, len(keys), 1000):
+        batch = [{"Key": k} for k in keys[start:start + 1000]]
+        if batch:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
+
+
+def delete_folder(client, bucket: str, prefix: str, names: list[str]) -> None:
+    """adapter_config.json first, so the folder stops being an adapter before its weights go."""
+    head = prefix.rstrip("/") + "/"
+    ordered = sorted(names, key=lambda n: n != ADAPTER_CONFIG)
+    if ADAPTER_CONFIG in ordered:
+        client.delete_object(Bucket=bucket, Key=head + ADAPTER_CONFIG)
+    delete_keys(client, bucket, [head + n for n in ordered if n != ADAPTER_CONFIG])
+
+
+# ------------------------------------------------------------------------------------------------ manifest
+
+
+def read_manifest(client, location: S3Location, model: str) -> tuple[RoutesManifest, str | None]:
+    """The published manifest and its ETag; an empty manifest and None when none exists yet."""
+    try:
+        obj = client.get_object(Bucket=location.bucket, Key=routes_key(location, model))
+    except ClientError as exc:
+        if is_missing(exc):
+            return RoutesManifest(model=model), None
+        raise
+    return RoutesManifest.model_validate_json(obj["Body"].read()), obj["ETag"]
+
+
+def write_manifest(client, location: S3Location, manifest: RoutesManifest, etag: str | None) -> str:
+    """Publish atomically (one PUT) only if nobody else did since we read `etag` (None: only if absent)."""
+    condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+    try:
+        response = client.put_object(
+            Bucket=location.bucket, Key=routes_key(location, manifest.model),
+            Body=manifest.model_dump_json(indent=2).encode(), ContentType="application/json", **condition,
+        )
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code")
+        if code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+            raise ManifestConflict(f"manifest of {manifest.model} changed concurrently") from None
+        raise
+    return response["ETag"]
+
+
+def delete_manifest(client, location: S3Location, model: str) -> None:
+    client.delete_object(Bucket=location.bucket, Key=routes_key(location, model))
+
+
+def list_manifest_models(client, location: S3Location) -> list[str]:
+    models = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=location.bucket, Prefix=routes_prefix(location)):
+        for obj in page.get("Contents", []):
+            model = model_from_routes_key(location, obj["Key"])
+            if model is not None:
+                models.append(model)
+    return models
+
+
+# ------------------------------------------------------------------------------------------ reconciler status
+
+
+def status_key(location: S3Location, name: str) -> str:
+    return location.key(STATUS_DIR, f"{name}.json")
+
+
+def write_status(client, location: S3Location, name: str, data: dict) -> None:
+    client.put_object(Bucket=location.bucket, Key=status_key(location, name), Body=json.dumps(data).encode(),
+                      ContentType="application/json")
+
+
+def read_status(client, location: S3Location, name: str) -> dict | None:
+    try:
+        return json.loads(read_object(client, ObjectRef(location.bucket, status_key(location, name))))
+    except ClientError as exc:
+        if is_missing(exc):
+            return None
+        raise

@@ -1,0 +1,299 @@
+"""The one sync: make the served routes manifest of a registered model match its registry aliases.
+
+Order of effects, which is what makes a crash at any point safe and a rerun complete:
+1. for each alias target: copy the version's files into its immutable folder (weights first,
+   adapter_config.json last), verifying each copy's sha256 against what the tracker recorded;
+2. read the manifest (M), re-read the registry (R), and publish with a conditional PUT on M's ETag (P).
+A manifest therefore only ever names verified folders, and since every publish re-reads the registry
+after the manifest it replaces, an older intent cannot overwrite a newer one (a lost race retries).
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import boto3
+import mlflow
+from botocore.config import Config as BotoConfig
+
+from registry_hooks import registry, storage
+from registry_hooks.adapter import (
+    AdapterPolicy,
+    InvalidAdapter,
+    check_adapter_config,
+    check_files,
+    check_safetensors_header,
+    copy_order,
+    parse_adapter_config,
+    safetensors_header_length,
+)
+from registry_hooks.plan import newly_promoted, next_manifest
+from rlops.config import Config, artifacts_s3_client_kwargs, s3_client_kwargs
+from rlops.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AliasRoute, S3Location, parse_s3_uri, utc_now, version_folder
+
+MAX_ROUNDS = 8
+TAG_VALUE_LIMIT = 5000
+BOTO = BotoConfig(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=60)
+
+
+class PromotionError(RuntimeError):
+    """A promotion/sync problem with a message for the user; `exit_code` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class NotFound(PromotionError):
+    exit_code = 3
+
+
+class Refused(PromotionError):
+    exit_code = 4
+
+
+class SyncConflict(PromotionError):
+    exit_code = 5
+
+
+@dataclass
+class SyncReport:
+    model: str
+    trigger: str
+    generation: int = 0
+    changed: bool = False
+    served: dict[str, int] = field(default_factory=dict)
+    promoted: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, dict] = field(default_factory=dict)
+    removed: list[str] = field(default_factory=list)
+    copy_mode: str | None = None
+    bytes_copied: int = 0
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class SourceFiles(Protocol):
+    """One version's adapter files wherever they are; `copy_to` puts one file into the serving bucket."""
+
+    sizes: dict[str, int]
+
+    def read(self, name: str) -> bytes: ...
+    def read_range(self, name: str, start: int, length: int) -> bytes: ...
+    def copy_to(self, name: str, dst: storage.ObjectRef) -> None: ...
+
+
+class S3SourceFiles:
+    def __init__(self, promoter: "Promoter", location: S3Location, mode: str):
+        self.p, self.location, self.mode = promoter, location, mode
+        self.sizes = {n: o.size for n, o in storage.list_folder(promoter.source, location.bucket, location.prefix).items()}
+
+    def _ref(self, name: str) -> storage.ObjectRef:
+        return storage.ObjectRef(self.location.bucket, self.location.key(name))
+
+    def read(self, name: str) -> bytes:
+        return storage.read_object(self.p.source, self._ref(name))
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        return storage.read_range(self.p.source, self._ref(name), start, length)
+
+    def copy_to(self, name: str, dst: storage.ObjectRef) -> None:
+        if self.mode == "server_side":
+            storage.server_side_copy(self.p.dest, self._ref(name), dst, self.p.on_bytes)
+        else:
+            storage.streaming_copy(self.p.source, self._ref(name), self.p.dest, dst, self.p.on_bytes)
+
+
+class DownloadedFiles:
+    """Files fetched through MLflow's artifact proxy (an artifact store that is not S3)."""
+
+    def __init__(self, promoter: "Promoter", root: Path):
+        self.p, self.root = promoter, root
+        self.sizes = {str(f.relative_to(root)): f.stat().st_size for f in root.rglob("*") if f.is_file()}
+
+    def read(self, name: str) -> bytes:
+        return (self.root / name).read_bytes()
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        with open(self.root / name, "rb") as fh:
+            fh.seek(start)
+            return fh.read(length)
+
+    def copy_to(self, name: str, dst: storage.ObjectRef) -> None:
+        storage.upload_file(self.p.dest, str(self.root / name), dst, self.p.on_bytes)
+
+
+def adapter_policy(config: Config) -> AdapterPolicy:
+    return AdapterPolicy(
+        max_rank=config.serving.max_lora_rank,
+        base_models=frozenset([config.base_model_source, *config.registry.accepted_base_models]),
+        target_modules=frozenset(config.registry.allowed_target_modules),
+    )
+
+
+class Promoter:
+    """Clients and policy for one command or loop iteration. Tests pass their own (hooked) clients."""
+
+    def __init__(self, config: Config, *, mlflow_client=None, dest_s3=None, source_s3=None, progress=None):
+        self.config = config
+        self.location = parse_s3_uri(config.lora_path)
+        self.mlflow = mlflow_client or registry.mlflow_client(config)
+        dest_kwargs, source_kwargs = s3_client_kwargs(config), artifacts_s3_client_kwargs(config)
+        self.same_s3 = dest_kwargs == source_kwargs
+        self.dest = dest_s3 or boto3.client("s3", config=BOTO, **dest_kwargs)
+        self.source = source_s3 or (self.dest if self.same_s3 else boto3.client("s3", config=BOTO, **source_kwargs))
+        self.policy = adapter_policy(config)
+        self.progress = progress
+        self.bytes_copied = 0
+        self.last_mode: str | None = None
+
+    def on_bytes(self, n: int) -> None:
+        self.bytes_copied += n
+        if self.progress is not None:
+            self.progress(n)
+
+    def copy_mode(self, source_location: S3Location | None) -> str:
+        mode = self.config.registry.copy_mode
+        if source_location is None:
+            return "proxy"
+        if mode == "auto":
+            return "server_side" if self.same_s3 else "streaming"
+        if mode == "server_side" and not self.same_s3:
+            raise PromotionError("registry.copy_mode server_side needs MLflow's artifacts in the serving S3 "
+                                 "(same endpoint and credentials); use auto or streaming")
+        return mode
+
+    def check_model(self, model: str) -> None:
+        if model not in self.config.registry.models:
+            raise NotFound(f"registered model {model!r} is not served (registry.models: "
+                           f"{', '.join(self.config.registry.models)})")
+
+    # ------------------------------------------------------------------------------------ one version
+
+    def validate(self, files: SourceFiles, source: registry.VersionSource) -> dict[str, str]:
+        """Raise InvalidAdapter unless the version is a servable adapter; return its files' sha256."""
+        check_files(files.sizes, source.checksums)
+        rank = check_adapter_config(parse_adapter_config(files.read(ADAPTER_CONFIG)), self.policy, source.base_model)
+        length = safetensors_header_length(files.read_range(ADAPTER_WEIGHTS, 0, 8))
+        check_safetensors_header(files.read_range(ADAPTER_WEIGHTS, 8, length), rank)
+        return {name: source.checksums[name] for name in files.sizes}
+
+    def prepare(self, model: str, version: int) -> AliasRoute:
+        """Make `<model>-v<version>/` complete and verified; raise InvalidAdapter if the version can't be served."""
+        source = registry.version_source(self.mlflow, model, version)
+        source_location = registry.artifact_s3_location(self.config, source.artifact_uri)
+        mode = self.last_mode = self.copy_mode(source_location)
+        if mode != "proxy":
+            return self._prepare_from(S3SourceFiles(self, source_location, mode), model, version, source)
+        with tempfile.TemporaryDirectory(prefix="rlops-promote-") as tmp:
+            local = mlflow.artifacts.download_artifacts(
+                artifact_uri=source.artifact_uri, dst_path=tmp, tracking_uri=self.config.tracking_uri)
+            return self._prepare_from(DownloadedFiles(self, Path(local)), model, version, source)
+
+    def _prepare_from(self, files: SourceFiles, model: str, version: int, source: registry.VersionSource) -> AliasRoute:
+        checksums = self.validate(files, source)
+        folder = version_folder(model, version)
+        prefix = self.location.key(folder)
+        route = AliasRoute(version=version, folder=folder, files=checksums, promoted_at=utc_now(), trigger="")
+        existing = storage.list_folder(self.dest, self.location.bucket, prefix)
+        if ADAPTER_CONFIG in existing:
+            self._verify_complete(prefix, existing, checksums)
+            return route
+        for name in copy_order(checksums):
+            dst = storage.ObjectRef(self.location.bucket, f"{prefix}/{name}")
+            files.copy_to(name, dst)
+            if storage.sha256_of(self.dest, dst) != checksums[name]:
+                written = copy_order(checksums)[: copy_order(checksums).index(name) + 1]
+                storage.delete_folder(self.dest, self.location.bucket, prefix, written)
+                raise InvalidAdapter(f"checksum mismatch for {name}: the stored file differs from the sha256 "
+                                     "the tracker recorded")
+        return route
+
+    def _verify_complete(self, prefix: str, existing: dict, checksums: dict[str, str]) -> None:
+        """A complete folder is never rewritten (replicas may have cached it): it must already be right."""
+        if set(existing) != set(checksums):
+            raise InvalidAdapter(f"folder {prefix.rsplit('/', 1)[-1]} already exists with other files; not rewritten")
+        for name, digest in checksums.items():
+            if storage.sha256_of(self.dest, storage.ObjectRef(self.location.bucket, f"{prefix}/{name}")) != digest:
+                raise InvalidAdapter(f"folder {prefix.rsplit('/', 1)[-1]} already exists with a different {name}; "
+                                     "not rewritten")
+
+    def folder_complete(self, model: str, version: int) -> bool:
+        prefix = self.location.key(version_folder(model, version))
+        return ADAPTER_CONFIG in storage.list_folder(self.dest, self.location.bucket, prefix)
+
+    # ------------------------------------------------------------------------------------ whole model
+
+    def sync(self, model: str, *, trigger: str, actor: str | None = None) -> SyncReport:
+        self.check_model(model)
+        started = time.monotonic()
+        report = SyncReport(model=model, trigger=trigger)
+        prepared: dict[int, AliasRoute] = {}
+        refusals: dict[int, str] = {}
+        new_refusals: set[int] = set()
+        for _ in range(MAX_ROUNDS):
+            intent = registry.read_intent(self.mlflow, model, self.config.registry.served_aliases) or {}
+            manifest, _ = storage.read_manifest(self.dest, self.location, model)
+            for alias, version in intent.items():
+                current = manifest.aliases.get(alias)
+                if (current is not None and current.version == version) or version in prepared or version in refusals:
+                    continue
+                earlier = manifest.refused.get(alias)
+                if earlier is not None and earlier.version == version and not self.folder_complete(model, version):
+                    refusals[version] = earlier.reason  # sticky until the alias moves or a promote retries it
+                    continue
+                try:
+                    prepared[version] = self.prepare(model, version)
+                except InvalidAdapter as exc:
+                    refusals[version] = str(exc)
+                    new_refusals.add(version)
+            # Publish: manifest (M), then registry (R), then a PUT conditional on M (P).
+            manifest, etag = storage.read_manifest(self.dest, self.location, model)
+            latest = registry.read_intent(self.mlflow, model, self.config.registry.served_aliases) or {}
+            if latest != intent:
+                continue  # the registry moved while we copied: prepare the new targets
+            new = next_manifest(manifest, intent, prepared, refusals, trigger=trigger, now=utc_now(),
+                                history_limit=self.config.registry.history_limit)
+            if new is not manifest:
+                try:
+                    storage.write_manifest(self.dest, self.location, new, etag)
+                except storage.ManifestConflict:
+                    continue
+            self._fill_report(report, manifest, new, intent)
+            self._audit(model, manifest, new, refusals, new_refusals, actor, trigger, report)
+            report.seconds = round(time.monotonic() - started, 3)
+            return report
+        raise SyncConflict(f"sync of {model!r} did not converge after {MAX_ROUNDS} rounds: the alias kept moving "
+                           "or other writers kept publishing; rerun it")
+
+    def _fill_report(self, report: SyncReport, old, new, intent: dict[str, int]) -> None:
+        report.changed = new is not old
+        report.generation = new.generation
+        report.served = {a: r.version for a, r in new.aliases.items()}
+        report.promoted = {a: r.version for a, r in newly_promoted(old, new).items()}
+        report.refused = {a: {"version": r.version, "reason": r.reason} for a, r in new.refused.items()}
+        report.removed = sorted(set(old.aliases) - set(intent))
+        report.copy_mode = self.last_mode
+        report.bytes_copied = self.bytes_copied
+
+    def _audit(self, model, old, new, refusals, new_refusals, actor, trigger, report) -> None:
+        """Version tags are the audit trail; the manifest is already published, so failures only warn."""
+        try:
+            for alias, route in newly_promoted(old, new).items():
+                registry.set_tags(self.mlflow, model, route.version, {
+                    registry.FOLDER_TAG: route.folder, registry.PROMOTED_AT_TAG: route.promoted_at,
+                    registry.PROMOTED_BY_TAG: actor or f"rlops-{trigger}", registry.TRIGGER_TAG: trigger,
+                })
+            for version in new_refusals:
+                registry.set_tags(self.mlflow, model, version, {registry.REFUSED_TAG: refusals[version][:TAG_VALUE_LIMIT]})
+        except Exception as exc:  # noqa: BLE001 - audit must not undo a publish
+            report.warnings.append(f"audit tags not written: {exc}")
+
+
+def sync_model(config: Config, model: str, *, trigger: str, actor: str | None = None) -> SyncReport:
+    """Make `_routes/<model>.json` serve the model's registry aliases (idempotent; safe to run concurrently)."""
+    return Promoter(config).sync(model, trigger=trigger, actor=actor)
+

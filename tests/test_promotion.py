@@ -1,0 +1,164 @@
+"""Promotion sync against the real stack: immutable folders, the routes manifest, refusals, races."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from mlflow import MlflowClient
+
+from registry_hooks import NotFound, sync_model
+from registry_hooks.sync import Promoter
+from rlops.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, version_folder
+
+from test_promotion_support import (  # noqa: F401 - fixtures
+    assert_manifest_consistent,
+    folder_objects,
+    lora_template,
+    read_manifest,
+    register_version,
+    write_adapter,
+)
+
+
+@pytest.fixture
+def registered(test_config, lora_template, tmp_path):
+    """Factory: register a version of the test's model; `register(seed=..., **write_adapter kwargs)`."""
+    def register(seed: int = 1, *, metric: float = 0.5, checksums=None, **adapter_kwargs) -> int:
+        folder = write_adapter(lora_template, tmp_path / f"adapter-{seed}-{len(list(tmp_path.iterdir()))}",
+                               test_config, seed=seed, **adapter_kwargs)
+        return register_version(test_config, folder, step=seed, metric=metric, checksums=checksums)
+    return register
+
+
+def test_sync_publishes_alias_as_verified_immutable_folder(stack, test_config, mlflow_client, registered):
+    model = test_config.registry.models[0]
+    v1 = registered(seed=1)
+    mlflow_client.set_registered_model_alias(model, "production", str(v1))
+
+    report = sync_model(test_config, model, trigger="test")
+
+    assert report.changed and report.promoted == {"production": v1} and report.copy_mode == "server_side"
+    manifest = assert_manifest_consistent(stack, test_config)
+    route = manifest.aliases["production"]
+    assert route.folder == version_folder(model, v1) and route.trigger == "test"
+    assert set(route.files) == {ADAPTER_CONFIG, ADAPTER_WEIGHTS}
+    assert [(h.alias, h.version) for h in manifest.history] == [("production", v1)]
+    tags = mlflow_client.get_model_version(model, str(v1)).tags
+    assert tags["serving.folder"] == route.folder and tags["serving.trigger"] == "test"
+    assert tags["serving.promoted_at"] == route.promoted_at and tags["serving.promoted_by"] == "rlops-test"
+
+    again = sync_model(test_config, model, trigger="test")  # idempotent: no rewrite, no generation bump
+    assert not again.changed and again.generation == manifest.generation and again.bytes_copied == 0
+
+
+def test_sync_follows_alias_moves_and_deletes(stack, test_config, mlflow_client, registered):
+    model = test_config.registry.models[0]
+    v1, v2 = registered(seed=1), registered(seed=2)
+    mlflow_client.set_registered_model_alias(model, "production", str(v1))
+    mlflow_client.set_registered_model_alias(model, "staging", str(v2))
+    sync_model(test_config, model, trigger="test")
+    mlflow_client.set_registered_model_alias(model, "production", str(v2))
+    report = sync_model(test_config, model, trigger="test")
+    assert report.served == {"production": v2, "staging": v2} and report.promoted == {"production": v2}
+    v1_files = folder_objects(stack, test_config, version_folder(model, v1))
+    assert ADAPTER_CONFIG in v1_files  # the old folder stays (rollback, in-flight requests); gc removes it later
+
+    mlflow_client.delete_registered_model_alias(model, "staging")
+    report = sync_model(test_config, model, trigger="test")
+    manifest = assert_manifest_consistent(stack, test_config)
+    assert report.removed == ["staging"] and set(manifest.aliases) == {"production"}
+    assert [(h.alias, h.version) for h in manifest.history] == [("production", v1), ("staging", v2), ("production", v2)]
+
+
+def test_legacy_production_stage_counts_only_without_alias(stack, test_config, mlflow_client, registered):
+    model = test_config.registry.models[0]
+    v1, v2 = registered(seed=1), registered(seed=2)
+    with pytest.warns(FutureWarning):
+        mlflow_client.transition_model_version_stage(model, str(v1), "Production")
+    assert sync_model(test_config, model, trigger="test").served == {"production": v1}
+    mlflow_client.set_registered_model_alias(model, "production", str(v2))
+    assert sync_model(test_config, model, trigger="test").served == {"production": v2}
+
+
+def test_unconfigured_model_is_never_touched(test_config):
+    with pytest.raises(NotFound, match="not served"):
+        sync_model(test_config, "some-other-model", trigger="test")
+
+
+BAD_ADAPTERS = {
+    "rank above max": dict(config_overrides={"r": 64}),
+    "not a lora": dict(config_overrides={"peft_type": "IA3"}),
+    "wrong base": dict(config_overrides={"base_model_name_or_path": "meta-llama/Llama-3-8B"}),
+    "unknown target module": dict(config_overrides={"target_modules": ["model.layers.0.self_attn.q_proj", "lm_head_x"]}),
+    "pickle file": dict(extra_files={"training_args.bin": b"\x80\x04pickle"}),
+}
+
+
+@pytest.mark.parametrize("kind", [*BAD_ADAPTERS, "checksum mismatch"])
+def test_refused_adapter_keeps_previous_target(stack, test_config, mlflow_client, registered, kind):
+    model = test_config.registry.models[0]
+    v1 = registered(seed=1)
+    mlflow_client.set_registered_model_alias(model, "production", str(v1))
+    sync_model(test_config, model, trigger="test")
+    if kind == "checksum mismatch":
+        v2 = registered(seed=2, checksums={ADAPTER_CONFIG: "0" * 64, ADAPTER_WEIGHTS: "1" * 64})
+    else:
+        v2 = registered(seed=2, **BAD_ADAPTERS[kind])
+    mlflow_client.set_registered_model_alias(model, "production", str(v2))
+
+    report = sync_model(test_config, model, trigger="test")
+
+    manifest = assert_manifest_consistent(stack, test_config)
+    assert manifest.aliases["production"].version == v1 and report.served == {"production": v1}
+    refusal = manifest.refused["production"]
+    assert refusal.version == v2 and refusal.reason
+    assert mlflow_client.get_model_version(model, str(v2)).tags["serving.refused"] == refusal.reason
+    assert ADAPTER_CONFIG not in folder_objects(stack, test_config, version_folder(model, v2))
+    again = sync_model(test_config, model, trigger="test")  # the refusal is stable, not re-copied each time
+    assert not again.changed and again.bytes_copied == 0
+
+
+def test_racing_syncs_end_on_the_newest_intent(stack, test_config, mlflow_client, registered):
+    """Sync A read alias -> v1 and is about to publish when the alias moves to v2 and sync B publishes v2:
+    A's conditional write loses, it re-reads the registry, and the manifest ends on v2."""
+    model = test_config.registry.models[0]
+    v1, v2 = registered(seed=1), registered(seed=2)
+    mlflow_client.set_registered_model_alias(model, "production", str(v1))
+    slow = Promoter(test_config)
+    about_to_publish, go = threading.Event(), threading.Event()
+
+    def hold_first_manifest_put(params, **_):
+        if params["Key"].endswith(f"_routes/{model}.json") and not about_to_publish.is_set():
+            about_to_publish.set()
+            go.wait(30)
+
+    slow.dest.meta.events.register("before-parameter-build.s3.PutObject", hold_first_manifest_put)
+    result = {}
+    racer = threading.Thread(target=lambda: result.update(a=slow.sync(model, trigger="slow")))
+    racer.start()
+    assert about_to_publish.wait(30)
+    mlflow_client.set_registered_model_alias(model, "production", str(v2))
+    assert sync_model(test_config, model, trigger="fast").served == {"production": v2}
+    go.set()
+    racer.join(30)
+
+    assert result["a"].served == {"production": v2}
+    manifest = assert_manifest_consistent(stack, test_config)
+    assert manifest.aliases["production"].version == v2
+
+
+def test_concurrent_syncs_converge(stack, test_config, mlflow_client, registered):
+    model = test_config.registry.models[0]
+    v1 = registered(seed=1)
+    mlflow_client.set_registered_model_alias(model, "production", str(v1))
+    mlflow_client.set_registered_model_alias(model, "staging", str(v1))
+    reports = []
+    threads = [threading.Thread(target=lambda: reports.append(sync_model(test_config, model, trigger="t")))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(reports) == 3 and all(r.served == {"production": v1, "staging": v1} for r in reports)
+    manifest = assert_manifest_consistent(stack, test_config)
+    assert manifest.generation == 1 and len(manifest.history) == 2
