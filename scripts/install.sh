@@ -30,3 +30,12 @@ if problems:
     sys.exit("install guard failed:\n  " + "\n  ".join(problems))
 print("install guard ok: CPU torch", torch.__version__)
 PY
+# tests/test_postgres.py runs MLflow on a real PostgreSQL server: Debian's package, installed once (as root,
+# as in CI); elsewhere only a hint, and those tests skip (under CI=true a skip fails).
+if [ "$EXTRAS" = dev ] && ! command -v initdb >/dev/null && ! compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+    else
+        echo "note: no PostgreSQL server found; tests/test_postgres.py needs one (apt-get install postgresql)" >&2
+    fi
+fi
