@@ -38,9 +38,6 @@ def as_float(name: str, value: Any) -> float:
     raise TypeError(f"metric {name!r}: value must be a number, got {type(value).__name__}")
 
 
-def is_finite(value: float) -> bool:
-    return math.isfinite(value)
-
 
 def flatten(data: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
     """Nested mappings -> one level with dotted keys; lists stay values."""
