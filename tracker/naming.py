@@ -1,7 +1,6 @@
 """Pure naming rules: metric keys, eval keys, flattened and redacted params (no I/O)."""
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Mapping
 
