@@ -1,9 +1,229 @@
-"""`promote`: placeholder until the promotion sync lands (issue 5); it refuses instead of pretending."""
+"""`promote`: move a served alias to a registered version, safely (copy + verify first, then the alias).
+
+  promote MODEL --version N --to production      promote MODEL --from staging --to production
+  promote rollback MODEL [--alias production]    promote list [MODEL]      promote status
+  promote sync [MODEL]                           promote gc [--dry-run]
+
+Exit codes: 0 done; 1 error (MLflow/S3 unreachable, ...); 2 usage; 3 unknown model/version/alias;
+4 refused (invalid adapter, or the eval guardrail without --force); 5 sync did not converge;
+6 `status` found drift (registry intent != served manifest) or refusals.
+"""
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import sys
+from contextlib import contextmanager
+from typing import Iterator, NoReturn
+
 import click
 
+from registry_hooks import operations
+from registry_hooks.sync import PromotionError, SyncReport, sync_model
+from rlops.config import Config, ConfigError, load_config
 
-@click.group(invoke_without_command=True)
+EXIT_DRIFT = 6
+
+
+class PromoteGroup(click.Group):
+    """`promote MODEL ...` (no subcommand name) means the alias move; everything else is a subcommand."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        index = 0
+        while index < len(args) and args[index].startswith("-"):
+            index += 2 if args[index] == "--config" else 1
+        if index < len(args) and args[index] not in self.commands:
+            args = [*args[:index], "to", *args[index:]]
+        return super().parse_args(ctx, args)
+
+
+def actor() -> str:
+    """The MLflow user recorded in the audit tags (the basic-auth user, else the OS user MLflow records)."""
+    return os.environ.get("MLFLOW_TRACKING_USERNAME") or getpass.getuser()
+
+
+@contextmanager
+def handled(as_json: bool) -> Iterator[None]:
+    try:
+        yield
+    except PromotionError as exc:
+        _fail(str(exc), exc.exit_code, as_json)
+    except ConfigError as exc:
+        _fail(str(exc), 2, as_json)
+    except Exception as exc:  # noqa: BLE001 - MLflow/S3 outages: one line, exit 1, no traceback
+        _fail(f"{type(exc).__name__}: {exc}", 1, as_json)
+
+
+def _fail(message: str, code: int, as_json: bool) -> NoReturn:
+    if as_json:
+        click.echo(json.dumps({"error": message, "exit_code": code}))
+    click.echo(f"promote: {message}", err=True)
+    sys.exit(code)
+
+
+def _config(ctx: click.Context) -> Config:
+    try:
+        return load_config(ctx.obj)
+    except ConfigError as exc:
+        _fail(str(exc), 2, False)
+
+
+@contextmanager
+def progress_bar(enabled: bool) -> Iterator:
+    from tqdm import tqdm
+
+    with tqdm(unit="B", unit_scale=True, desc="copying", file=sys.stderr, disable=None if enabled else True,
+              leave=False) as bar:
+        yield bar.update
+
+
+def _print_report(report: SyncReport, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    served = ", ".join(f"{a} -> v{v}" for a, v in sorted(report.served.items())) or "(no aliases)"
+    click.echo(f"{report.model}: {served}  [generation {report.generation}, {report.trigger}]")
+    for alias, version in sorted(report.promoted.items()):
+        click.echo(f"  promoted {alias} -> v{version} ({report.copy_mode}, {report.bytes_copied / 1e6:.1f} MB copied)")
+    for alias, refusal in sorted(report.refused.items()):
+        click.echo(f"  refused  {alias} -> v{refusal['version']}: {refusal['reason']}")
+    for alias in report.removed:
+        click.echo(f"  removed  {alias} (alias deleted in the registry)")
+    for warning in report.warnings:
+        click.echo(f"  note: {warning}")
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+dry_run_option = click.option("--dry-run", is_flag=True, help="Validate and show the plan; change nothing.")
+
+
+@click.group(cls=PromoteGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), envvar="RLOPS_CONFIG",
+              help="Config file (default: ./mlflow.yaml, else embedded defaults).")
 @click.pass_context
-def main(ctx: click.Context) -> None:
-    """Promote registered adapter versions to served aliases (not implemented yet)."""
-    raise click.ClickException("promote is not implemented yet (see issue 5); nothing was changed")
+def main(ctx: click.Context, config_path: str | None) -> None:
+    """Promote registered adapter versions to served aliases (registry alias -> immutable S3 folder)."""
+    ctx.obj = config_path
+
+
+@main.command("to", hidden=True)
+@click.argument("model")
+@click.option("--to", "to_alias", required=True, help="Served alias to move (e.g. production).")
+@click.option("--version", type=click.IntRange(min=1), help="Registered version to promote.")
+@click.option("--from", "from_alias", help="Promote the version this alias points at (e.g. staging).")
+@click.option("--force", is_flag=True, help="Skip the eval-metric guardrail of guarded aliases.")
+@dry_run_option
+@json_option
+@click.pass_context
+def to_command(ctx, model, to_alias, version, from_alias, force, dry_run, as_json) -> None:
+    """promote MODEL (--version N | --from ALIAS) --to ALIAS"""
+    config = _config(ctx)
+    with handled(as_json), progress_bar(not as_json) as progress:
+        report = operations.promote(config, model, to_alias=to_alias, version=version, from_alias=from_alias,
+                                    force=force, actor=actor(), dry_run=dry_run, progress=progress)
+    _print_report(report, as_json)
+
+
+@main.command("rollback")
+@click.argument("model")
+@click.option("--alias", help="Alias to roll back (default: registry.default_alias).")
+@dry_run_option
+@json_option
+@click.pass_context
+def rollback_command(ctx, model, alias, dry_run, as_json) -> None:
+    """Move ALIAS back to the version it served before, then sync."""
+    config = _config(ctx)
+    with handled(as_json), progress_bar(not as_json) as progress:
+        report = operations.rollback(config, model, alias=alias, actor=actor(), dry_run=dry_run, progress=progress)
+    _print_report(report, as_json)
+
+
+@main.command("sync")
+@click.argument("model", required=False)
+@json_option
+@click.pass_context
+def sync_command(ctx, model, as_json) -> None:
+    """Make serving match the registry now, for MODEL or every configured model."""
+    config = _config(ctx)
+    reports = []
+    with handled(as_json):
+        for name in [model] if model else config.registry.models:
+            reports.append(sync_model(config, name, trigger="cli", actor=actor()))
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in reports], indent=2))
+    for report in [] if as_json else reports:
+        _print_report(report, False)
+
+
+@main.command("list")
+@click.argument("model", required=False)
+@json_option
+@click.pass_context
+def list_command(ctx, model, as_json) -> None:
+    """Aliases (registry vs served), versions, folders and eval metrics."""
+    config = _config(ctx)
+    with handled(as_json):
+        models = operations.list_models(config, model)
+    if as_json:
+        click.echo(json.dumps(models, indent=2))
+        return
+    for entry in models:
+        click.echo(f"{entry['model']} (manifest generation {entry['generation']})")
+        for alias, a in entry["aliases"].items():
+            registry_v = f"v{a['registry']}" if a["registry"] else "unset"
+            served_v = f"v{a['served']} ({a['folder']})" if a["served"] else "nothing"
+            click.echo(f"  @{alias:<12} registry {registry_v:<8} served {served_v}")
+        for v in entry["versions"]:
+            metric = f"{v['metric_key']}={v['metric_value']}" if v["metric_key"] else "no eval metric"
+            flags = " ".join(filter(None, [",".join(v["aliases"]), f"refused: {v['refused']}" if v["refused"] else ""]))
+            click.echo(f"  v{v['version']:<4} {metric:<48} {flags}")
+
+
+@main.command("status")
+@json_option
+@click.pass_context
+def status_command(ctx, as_json) -> None:
+    """Drift between registry and served manifests, refusals, and the reconciler's health. Exit 6 on drift."""
+    config = _config(ctx)
+    with handled(as_json):
+        state = operations.status(config)
+    troubled = not state["in_sync"] or any(m["refused"] for m in state["models"])
+    if as_json:
+        click.echo(json.dumps(state, indent=2))
+    else:
+        for m in state["models"]:
+            served = ", ".join(f"{a} -> v{v}" for a, v in sorted(m["served"].items())) or "nothing served"
+            click.echo(f"{m['model']}: {served}" + ("" if m["registered"] else " (not in the registry)"))
+            for line in m["drift"]:
+                click.echo(f"  DRIFT {line}")
+            for alias, r in m["refused"].items():
+                click.echo(f"  REFUSED {alias} -> v{r['version']}: {r['reason']}")
+        rec = state["reconciler"]
+        if rec is None:
+            click.echo("reconciler: no heartbeat (is `rlops hooks serve` running?)")
+        else:
+            health = "STALE" if rec.get("stale") else "ok"
+            click.echo(f"reconciler: {health}, last run {rec['last_run_at']}, last error: {rec.get('last_error') or 'none'}")
+    sys.exit(EXIT_DRIFT if troubled else 0)
+
+
+@main.command("gc")
+@dry_run_option
+@json_option
+@click.pass_context
+def gc_command(ctx, dry_run, as_json) -> None:
+    """Delete version folders no alias or recent history names (older than the grace period)."""
+    config = _config(ctx)
+    with handled(as_json):
+        report = operations.gc(config, dry_run=dry_run)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    verb = "would delete" if dry_run else "deleted"
+    click.echo(f"{verb}: {', '.join(report.deleted) or 'nothing'}")
+    click.echo(f"kept (referenced): {len(report.kept)}, kept (younger than grace): {len(report.too_young)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -73,7 +73,8 @@ def version_by_alias(client: MlflowClient, model: str, alias: str) -> int:
     try:
         return int(client.get_model_version_by_alias(model, alias).version)
     except MlflowException as exc:
-        if _not_found(exc):
+        # MLflow answers an unset alias with INVALID_PARAMETER_VALUE "... alias X not found".
+        if _not_found(exc) or "not found" in exc.message:
             raise RegistryNotFound(f"alias {alias!r} is not set on registered model {model!r}") from None
         raise
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import boto3
 import mlflow
@@ -181,17 +182,29 @@ class Promoter:
         check_safetensors_header(files.read_range(ADAPTER_WEIGHTS, 8, length), rank)
         return {name: source.checksums[name] for name in files.sizes}
 
-    def prepare(self, model: str, version: int) -> AliasRoute:
-        """Make `<model>-v<version>/` complete and verified; raise InvalidAdapter if the version can't be served."""
+    @contextmanager
+    def source_files(self, model: str, version: int) -> Iterator[tuple[SourceFiles, registry.VersionSource]]:
+        """The version's files: in S3 (copied server-side or streamed), else fetched through MLflow's proxy."""
         source = registry.version_source(self.mlflow, model, version)
         source_location = registry.artifact_s3_location(self.config, source.artifact_uri)
         mode = self.last_mode = self.copy_mode(source_location)
         if mode != "proxy":
-            return self._prepare_from(S3SourceFiles(self, source_location, mode), model, version, source)
+            yield S3SourceFiles(self, source_location, mode), source
+            return
         with tempfile.TemporaryDirectory(prefix="rlops-promote-") as tmp:
             local = mlflow.artifacts.download_artifacts(
                 artifact_uri=source.artifact_uri, dst_path=tmp, tracking_uri=self.config.tracking_uri)
-            return self._prepare_from(DownloadedFiles(self, Path(local)), model, version, source)
+            yield DownloadedFiles(self, Path(local)), source
+
+    def inspect(self, model: str, version: int) -> dict[str, str]:
+        """Validate a version without copying anything (dry runs); return its files' sha256."""
+        with self.source_files(model, version) as (files, source):
+            return self.validate(files, source)
+
+    def prepare(self, model: str, version: int) -> AliasRoute:
+        """Make `<model>-v<version>/` complete and verified; raise InvalidAdapter if the version can't be served."""
+        with self.source_files(model, version) as (files, source):
+            return self._prepare_from(files, model, version, source)
 
     def _prepare_from(self, files: SourceFiles, model: str, version: int, source: registry.VersionSource) -> AliasRoute:
         checksums = self.validate(files, source)
@@ -257,6 +270,9 @@ class Promoter:
                 continue  # the registry moved while we copied: prepare the new targets
             new = next_manifest(manifest, intent, prepared, refusals, trigger=trigger, now=utc_now(),
                                 history_limit=self.config.registry.history_limit)
+            if any(not self.folder_complete(model, r.version) for r in newly_promoted(manifest, new).values()):
+                prepared.clear()  # a folder vanished after we verified it (gc): copy again before naming it
+                continue
             if new is not manifest:
                 try:
                     storage.write_manifest(self.dest, self.location, new, etag)
