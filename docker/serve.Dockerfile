@@ -1,0 +1,17 @@
+# Serving (RayService) and the promotion hooks: Ray's LLM image at our ray pin (it carries vLLM, CUDA and
+# Ray Serve LLM) + boto3 (ray[llm] does not bring it) + the MLflow client + this package.
+# Build from the repo root: docker build -f docker/serve.Dockerfile -t rlops-serve:0.1.0 .
+FROM rayproject/ray-llm:2.60.0-py311-cu128
+
+# This package goes in --no-deps: the image's ray/vllm/transformers stay as Ray built them; its own needs
+# beyond the image are exactly boto3 and the MLflow client (registry_hooks).
+RUN pip install --no-cache-dir "boto3==1.44.8" "mlflow-skinny==3.17.2"
+COPY --chown=ray:users pyproject.toml README.md /tmp/rlops/
+COPY --chown=ray:users rlops /tmp/rlops/rlops
+COPY --chown=ray:users serving /tmp/rlops/serving
+COPY --chown=ray:users registry_hooks /tmp/rlops/registry_hooks
+COPY --chown=ray:users tracker /tmp/rlops/tracker
+COPY --chown=ray:users training /tmp/rlops/training
+RUN pip install --no-cache-dir --no-deps /tmp/rlops \
+    && rm -rf /tmp/rlops \
+    && python -c "import serving, registry_hooks, ray.serve.llm"
