@@ -12,6 +12,7 @@ from rlops.config import Config, ConfigError, s3_environment
 INGRESS_CLS = "serving.ingress:AliasIngress"
 TRANSFORMERS_ENGINE_CLS = "serving.engines.transformers_engine:TransformersEngine"
 ENGINE_CLS_ENV = "RAYLLM_VLLM_ENGINE_CLS"
+CPU_ENGINE_KEY = "rlops_cpu_engine"  # LLMConfig.experimental_configs entry with our CPU engines' settings
 APP_NAME = "rlops"
 S3_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
@@ -41,6 +42,9 @@ def llm_config(config: Config, engine: str) -> dict[str, Any]:
     }
     if engine == "transformers":
         llm["runtime_env"] = {"env_vars": {ENGINE_CLS_ENV: TRANSFORMERS_ENGINE_CLS}}
+        # engine_kwargs must be vLLM args (Ray validates them even for a swapped engine): ours go here.
+        llm["experimental_configs"] = {CPU_ENGINE_KEY: {"torch_threads": serving.cpu_threads,
+                                                        "default_max_tokens": serving.default_max_tokens}}
         llm["placement_group_config"] = {"bundles": [{"CPU": serving.replica_cpus}]}
         llm["deployment_config"]["ray_actor_options"] = {"num_cpus": serving.replica_cpus}
     return llm
@@ -127,8 +131,8 @@ def run(config: Config, environ: Mapping[str, str], *, blocking: bool = True) ->
 
     serving = config.serving
     env = job_environment(config, environ)
+    # address="local": always a fresh Ray of our own, never a cluster some other tool started here.
+    ray.init(address="local", num_cpus=serving.local_num_cpus, runtime_env={"env_vars": env}, include_dashboard=False)
     app = build_app(config)
-    ray.init(num_cpus=serving.local_num_cpus, runtime_env={"env_vars": env}, include_dashboard=False,
-             log_to_driver=True)
     serve.start(http_options={"host": serving.host, "port": serving.port})
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=blocking)

@@ -22,6 +22,7 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
     ErrorResponse,
 )
 from ray.llm._internal.serve.core.engine.protocol import LLMEngine
+from serving.app import CPU_ENGINE_KEY
 from serving.engines.text import StopTextAssembler
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import (
@@ -34,7 +35,7 @@ from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
 log = logging.getLogger("rlops.serving.engine")
 
-DEFAULT_MAX_TOKENS = 128
+DEFAULT_MAX_TOKENS = 256
 
 
 class EngineRequestError(Exception):
@@ -100,9 +101,9 @@ class TextGenerationEngine(LLMEngine, abc.ABC):
 
     def __init__(self, llm_config):
         self.llm_config = llm_config
-        kwargs = llm_config.engine_kwargs or {}
-        self.default_max_tokens = int(kwargs.get("max_tokens", DEFAULT_MAX_TOKENS))
-        self.max_model_tokens = kwargs.get("max_model_len")
+        self.settings = dict((llm_config.experimental_configs or {}).get(CPU_ENGINE_KEY) or {})
+        self.default_max_tokens = int(self.settings.get("default_max_tokens", DEFAULT_MAX_TOKENS))
+        self.max_model_tokens = (llm_config.engine_kwargs or {}).get("max_model_len")
 
     # ------------------------------------------------------------------------------- subclass hooks
 

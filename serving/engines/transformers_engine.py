@@ -117,7 +117,7 @@ class TransformersEngine(TextGenerationEngine):
         self.source = llm_config.model_loading_config.model_source
         self.max_loras = int(kwargs.get("max_loras", 4))
         self.max_lora_rank = int(kwargs.get("max_lora_rank", 32))
-        self.torch_threads = kwargs.get("torch_threads")
+        self.torch_threads = self.settings.get("torch_threads")
         self._lock = threading.Lock()  # generate() and adapter (un)loading never overlap
         self._adapters: OrderedDict[str, str] = OrderedDict()  # routing id -> peft adapter name, LRU order
         self.model = None

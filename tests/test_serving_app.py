@@ -1,0 +1,261 @@
+"""The real `ray.serve.llm` OpenAI app on CPU (`rlops serve`, transformers engine) against the session's
+MLflow + SeaweedFS, with two differently trained adapters promoted by `registry_hooks.sync_model`.
+
+One Serve app per session (startup ~45 s), shared by every test here. Greedy answers are compared with
+offline `PeftModel` generation on the same base; alias moves go through the registry and the promotion sync.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rlops import processes
+from rlops.config import Config, load_config
+
+pytestmark = pytest.mark.slow
+
+API_KEY_ENV = "SERVING_TEST_API_KEYS"  # not RLOPS_*: that prefix is reserved for config overrides
+API_KEY = "sk-test-" + uuid.uuid4().hex
+STALENESS_S = 1.0
+TARGETS = {"a": "right right right right", "b": "down down left left"}  # what each adapter is trained to say
+TEXT_PROMPT = "navigate the maze to the red square"
+LORA_TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
+
+
+# ------------------------------------------------------------------------------------ model helpers
+
+
+def maze_image():
+    from PIL import Image
+
+    from training.maze import generate_maze, render
+
+    return Image.fromarray(render(generate_maze(seed=3, size=9)))
+
+
+def data_url(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def chat_messages(with_image: bool) -> list[dict]:
+    """OpenAI-style messages (what clients send)."""
+    content: list[dict] = []
+    if with_image:
+        content.append({"type": "image_url", "image_url": {"url": data_url(maze_image())}})
+    content.append({"type": "text", "text": TEXT_PROMPT})
+    return [{"role": "user", "content": content}]
+
+
+def offline_inputs(processor, with_image: bool):
+    """The same conversation built directly with the processor (independent of the engine's code)."""
+    content = ([{"type": "image"}] if with_image else []) + [{"type": "text", "text": TEXT_PROMPT}]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                           add_generation_prompt=True)
+    return processor(text=[prompt], images=[maze_image()] if with_image else None, return_tensors="pt")
+
+
+def train_adapter(base_dir: Path, out: Path, target: str, seed: int) -> Path:
+    """A few Adam steps of LoRA on the tiny base towards `target`, on a text and an image prompt."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from rlops.vlm import load_processor
+
+    processor = load_processor(base_dir)
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForImageTextToText.from_pretrained(str(base_dir)),
+                           LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS))
+    batches = []
+    for with_image in (False, True):
+        prompt_inputs = offline_inputs(processor, with_image)
+        answer = processor.tokenizer([target + "<|im_end|>"], return_tensors="pt", add_special_tokens=False)
+        inputs = dict(prompt_inputs)
+        inputs["input_ids"] = torch.cat([prompt_inputs["input_ids"], answer["input_ids"]], dim=1)
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        if "mm_token_type_ids" in inputs:
+            inputs["mm_token_type_ids"] = torch.cat(
+                [prompt_inputs["mm_token_type_ids"], torch.zeros_like(answer["input_ids"])], dim=1)
+        labels = inputs["input_ids"].clone()
+        labels[:, : prompt_inputs["input_ids"].shape[1]] = -100
+        batches.append((inputs, labels))
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    for _ in range(15):
+        for inputs, labels in batches:
+            model(**inputs, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(str(out))
+    (out / "README.md").unlink(missing_ok=True)  # peft's model card: not an adapter file
+    return out
+
+
+def offline_answer(base_dir: Path, adapter_dir: Path | None, with_image: bool, max_tokens: int) -> str:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from rlops.vlm import load_processor
+
+    processor = load_processor(base_dir)
+    model = AutoModelForImageTextToText.from_pretrained(str(base_dir))
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, str(adapter_dir))
+    inputs = offline_inputs(processor, with_image)
+    with torch.inference_mode():
+        out = model.eval().generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def sha256_file(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def register_adapter(config: Config, adapter_dir: Path, step: int) -> int:
+    """Log the adapter as the tracker does (LoggedModel + rlops tags) and register it; return the version."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=config.tracking_uri, registry_uri=config.tracking_uri)
+    experiment = client.get_experiment_by_name(config.tracking.experiment)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.tracking.experiment)
+    run = client.create_run(experiment_id)
+    tags = {"rlops.step": str(step), "rlops.base_model": config.base_model_source, "rlops.lora_rank": "8",
+            **{f"rlops.sha256.{p.name}": sha256_file(p) for p in adapter_dir.iterdir() if p.is_file()}}
+    logged = client.create_logged_model(experiment_id, name=f"lora-step-{step}", source_run_id=run.info.run_id,
+                                        tags=tags, model_type="lora-adapter")
+    client.log_model_artifacts(logged.model_id, str(adapter_dir))
+    client.finalize_logged_model(logged.model_id, "READY")
+    client.set_terminated(run.info.run_id)
+    mlflow.set_tracking_uri(config.tracking_uri)
+    mlflow.set_registry_uri(config.tracking_uri)
+    version = mlflow.register_model(f"models:/{logged.model_id}", config.registry.models[0],
+                                    tags={"rlops.step": str(step), "rlops.run_id": run.info.run_id})
+    return int(version.version)
+
+
+# ------------------------------------------------------------------------------------ the session app
+
+
+@dataclass
+class ServedApp:
+    config: Config
+    url: str
+    base_dir: Path
+    adapters: dict[int, Path]  # version -> adapter folder
+    publications: list[tuple[float, float, str, int]] = field(default_factory=list)  # (before, after, alias, v)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def model(self) -> str:
+        return self.config.registry.models[0]
+
+    @property
+    def base(self) -> str:
+        return self.config.serving.base_model_id
+
+    def name(self, selector: str = "") -> str:
+        return f"{self.base}:{self.model}{selector}"
+
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {API_KEY}"}
+
+    def openai(self):
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+    def move_alias(self, alias: str, version: int) -> None:
+        """Move the registry alias and run the promotion sync; record when the manifest was published."""
+        import mlflow
+
+        from registry_hooks import sync_model
+
+        client = mlflow.MlflowClient(tracking_uri=self.config.tracking_uri, registry_uri=self.config.tracking_uri)
+        with self.lock:
+            client.set_registered_model_alias(self.model, alias, str(version))
+            before = time.time()
+            sync_model(self.config, self.model, trigger="test")
+            self.publications.append((before, time.time(), alias, version))
+
+
+@pytest.fixture(scope="session")
+def served(stack, tmp_path_factory) -> ServedApp:
+    from training.tiny_vlm import build_tiny_vlm
+
+    root = tmp_path_factory.mktemp("serving")
+    base_dir = build_tiny_vlm(root / "base")
+    adapter_dirs = {key: train_adapter(base_dir, root / f"adapter-{key}", target, seed)
+                    for seed, (key, target) in enumerate(TARGETS.items(), start=1)}
+    suffix = uuid.uuid4().hex[:8]
+    data = {
+        "data_dir": str(stack.config.data_path),  # the stack's S3 credentials live there
+        "server": {"port": stack.config.server.port},
+        "storage": {"endpoint_url": stack.config.storage.endpoint_url, "bucket": stack.config.storage.bucket},
+        "tracking": {"experiment": f"serving-{suffix}"},
+        "registry": {"models": [f"serving-model-{suffix}"]},
+        "serving": {
+            "model_source": str(base_dir), "dynamic_lora_loading_path": f"s3://{stack.config.storage.bucket}/lora-serving-{suffix}",
+            "engine": "transformers", "port": processes.free_port(), "replica_cpus": 0.5, "routes_staleness_s": STALENESS_S,
+            "api_keys_env": API_KEY_ENV, "max_request_bytes": 2 * 1024 * 1024,
+            "cpu_threads": 1, "default_max_tokens": 16,
+        },
+    }
+    config_path = root / "mlflow.yaml"
+    config_path.write_text(json.dumps(data))
+    config = load_config(config_path, environ={})
+    versions = {register_adapter(config, adapter_dirs[key], step): adapter_dirs[key]
+                for step, key in enumerate(TARGETS, start=1)}
+    app = ServedApp(config, f"http://{config.serving.host}:{config.serving.port}", base_dir, versions)
+    app.move_alias("production", 1)
+    app.move_alias("staging", 2)
+
+    env = {**stack.env, "RLOPS_CONFIG": str(config_path), API_KEY_ENV: API_KEY, "HF_HUB_OFFLINE": "1"}
+    rlops = str(Path(sys.executable).parent / "rlops")
+    record = processes.start(config.data_path, "serve", [rlops, "serve"], env)
+    try:
+        processes.wait_healthy(record, lambda: httpx.get(f"{app.url}/v1/models", headers=app.headers(),
+                                                         timeout=2).status_code == 200, timeout_s=240)
+        yield app
+    finally:
+        processes.stop(config.data_path, "serve", timeout_s=30)
+
+
+# ------------------------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("with_image", [False, True], ids=["text", "maze-image"])
+def test_alias_names_answer_like_offline_peft(served: ServedApp, with_image: bool):
+    client = served.openai()
+    answers = {}
+    for name, version, alias in ((served.name(), 1, "production"), (served.name("@staging"), 2, "staging")):
+        raw = client.chat.completions.with_raw_response.create(
+            model=name, messages=chat_messages(with_image), temperature=0, max_tokens=8)
+        completion = raw.parse()
+        assert completion.model == name  # the client's own name, never the folder
+        assert raw.headers["x-rlops-model-version"] == str(version)
+        assert raw.headers["x-rlops-model-alias"] == alias
+        assert completion.usage.prompt_tokens > 0 and 0 < completion.usage.completion_tokens <= 8
+        answers[name] = completion.choices[0].message.content
+        assert answers[name] == offline_answer(served.base_dir, served.adapters[version], with_image, 8)
+    assert answers[served.name()] != answers[served.name("@staging")]
+    pinned = client.chat.completions.create(model=served.name("@v2"), messages=chat_messages(with_image),
+                                            temperature=0, max_tokens=8)
+    assert pinned.choices[0].message.content == answers[served.name("@staging")]
+    base = client.chat.completions.create(model=served.base, messages=chat_messages(with_image), temperature=0, max_tokens=8)
+    assert base.choices[0].message.content == offline_answer(served.base_dir, None, with_image, 8)
