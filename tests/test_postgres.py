@@ -33,7 +33,7 @@ import psutil
 import psycopg
 import pytest
 
-from rlops.config import load_config
+from rlops.config import Config, load_config
 from rlops.processes import free_port
 
 from conftest import write_config
@@ -146,6 +146,7 @@ def postgres():
 
 @dataclass
 class PgMlflow:
+    config: Config
     tracking_uri: str
     admin_password: str
     data_path: Path
@@ -172,9 +173,10 @@ def pg_mlflow(postgres: Postgres, stack, tmp_path_factory):
     (root / "data").mkdir()
     admin_password = secrets.token_urlsafe(18)
     auth_ini = root / "data" / "basic_auth.ini"
-    # The auth store holds a DB password too: it lives in a 0600 file that MLFLOW_AUTH_CONFIG_PATH names.
+    # The auth store's URI carries no password: libpq takes it from PGPASSWORD, as docker/compose.yaml does.
     _write_private(auth_ini, "\n".join([
-        "[mlflow]", "default_permission = READ", f"database_uri = {postgres.uri('mlflow_auth')}",
+        "[mlflow]", "default_permission = READ",
+        f"database_uri = postgresql://{PG_USER}@127.0.0.1:{postgres.port}/mlflow_auth",
         f"admin_username = {ADMIN}", "authorization_function = mlflow.server.auth:authenticate_request_basic_auth", "",
     ]))
     env = stack.env
@@ -184,12 +186,13 @@ def pg_mlflow(postgres: Postgres, stack, tmp_path_factory):
         RLOPS_SERVER__BACKEND_STORE_URI=postgres.uri("mlflow"),
         MLFLOW_AUTH_CONFIG_PATH=str(auth_ini),
         MLFLOW_AUTH_ADMIN_PASSWORD=admin_password,
+        PGPASSWORD=postgres.password,
     )
     up = run_cli(["up", "--timeout", "120"], env, timeout=180)
     config = load_config(config_path, environ=env)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        yield PgMlflow(config.tracking_uri, admin_password, config.data_path, env, up.stdout + up.stderr)
+        yield PgMlflow(config, config.tracking_uri, admin_password, config.data_path, env, up.stdout + up.stderr)
     finally:
         down = run_cli(["down"], env)
         assert down.returncode == 0, down.stdout + down.stderr
@@ -228,6 +231,9 @@ def test_server_runs_on_postgres_and_password_stays_out_of_argv_and_logs(postgre
         assert cur.fetchone()[0] == 1, "MLflow did not create its schema in PostgreSQL"
         cur.execute("SELECT version_num FROM alembic_version")
         assert cur.fetchone()[0]
+    with psycopg.connect(host="127.0.0.1", port=postgres.port, user=PG_USER, password=postgres.password,
+                         dbname="mlflow_auth") as conn:
+        assert conn.execute("SELECT count(*) FROM users WHERE username = %s", (ADMIN,)).fetchone()[0] == 1
     record = json.loads((pg_mlflow.data_path / "run" / "mlflow.json").read_text())
     server = psutil.Process(record["pid"])
     cmdlines = [" ".join(p.cmdline()) for p in [server, *server.children(recursive=True)]]
@@ -343,6 +349,33 @@ def test_run_resume_on_postgres(client, unique_name):
     history = client.get_metric_history(run_id, "reward/avg_raw_reward")
     assert sorted(m.step for m in history) == list(range(6))
     assert resumed.data.params == {"lora_rank": "32"}
+
+
+def test_tracker_session_resumes_the_same_run_on_postgres(client, pg_mlflow, tmp_path, unique_name):
+    """The tracker's own resume path (run id kept in the trainer's output dir) over basic-auth + PostgreSQL."""
+    from tracker import RunSession
+
+    config = pg_mlflow.config.model_copy(deep=True)
+    config.tracking.experiment = f"pg-tracker-{unique_name}"
+    run_dir = tmp_path / "checkpoints"
+    with pytest.raises(KeyboardInterrupt):
+        with RunSession.start(config, run_dir, params={"lora_rank": 32}, run_name="grpo") as session:
+            first_run = session.run_id
+            for step in range(3):
+                session.log_metrics({"reward/avg_raw_reward": 0.1 * step}, step)
+            assert session.flush(30)
+            raise KeyboardInterrupt
+    assert client.get_run(first_run).info.status == "KILLED"
+    with RunSession.start(config, run_dir, params={"lora_rank": 32}) as session:
+        assert session.run_id == first_run
+        for step in range(3, 6):
+            session.log_metrics({"reward/avg_raw_reward": 0.1 * step}, step)
+        assert session.flush(30)
+    run = client.get_run(first_run)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["rlops.resumes"] == "1"
+    history = client.get_metric_history(first_run, "reward/avg_raw_reward")
+    assert sorted(m.step for m in history) == list(range(6))
 
 
 def test_user_without_edit_cannot_move_alias(client, pg_mlflow, monkeypatch, unique_name):
