@@ -86,6 +86,8 @@ from rlops.commands.data import data_group  # noqa: E402
 main.add_command(data_group)
 from rlops.commands.serve import serve_command  # noqa: E402
 main.add_command(serve_command)
+from rlops.commands.hooks import hooks_group  # noqa: E402
+main.add_command(hooks_group)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,230 @@
+"""`rlops hooks serve`: the webhook receiver (a small ASGI app) and the reconciler loop, in one process.
+
+A webhook only says "reconcile this model"; one worker thread runs the sync for queued models (coalesced,
+so a burst of deliveries costs one sync), and the reconciler loop queues every configured model each
+`hooks.reconcile_interval_s`, so a dropped delivery or a legacy stage transition still converges.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from typing import Callable
+
+from mlflow.exceptions import MlflowException
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from registry_hooks import registry, storage
+from registry_hooks.operations import RECONCILER_STATUS
+from registry_hooks.sync import Promoter, SyncReport, sync_model
+from registry_hooks.webhook import (
+    ALIAS_EVENTS,
+    MAX_BODY_BYTES,
+    Rejected,
+    SeenDeliveries,
+    authenticate,
+    parse_delivery,
+)
+from rlops.config import Config
+from rlops.layout import utc_now
+
+WEBHOOK_PATH = "/webhook"
+
+
+class HooksError(RuntimeError):
+    """The hooks service cannot start or register as configured (message says which key)."""
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.deliveries = Counter("rlops_hooks_deliveries", "Webhook deliveries by result", ["result"],
+                                  registry=self.registry)
+        self.syncs = Counter("rlops_hooks_syncs", "Syncs run, by trigger and outcome", ["trigger", "outcome"],
+                             registry=self.registry)
+        self.sync_seconds = Histogram("rlops_hooks_sync_seconds", "Duration of one model sync", registry=self.registry)
+        self.last_reconcile = Gauge("rlops_hooks_last_reconcile_timestamp_seconds", "End of the last reconciler pass",
+                                    registry=self.registry)
+
+
+class Reconciler:
+    """Runs syncs on one worker thread; `request(model, trigger)` queues (coalescing), `loop` re-queues all."""
+
+    def __init__(self, config: Config, metrics: Metrics, sync: Callable[..., SyncReport] = sync_model):
+        self.config, self.metrics, self._sync = config, metrics, sync
+        self._pending: dict[str, str] = {}
+        self._wake = threading.Condition()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.last_run_at: str | None = None
+        self.last_ok_at: str | None = None
+        self.last_error: str | None = None
+        self.runs = 0
+
+    def start(self) -> None:
+        self._threads = [threading.Thread(target=self._work, name="rlops-sync-worker", daemon=True)]
+        if self.config.hooks.reconcile_interval_s > 0:
+            self._threads.append(threading.Thread(target=self._loop, name="rlops-reconciler", daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._wake:
+            self._wake.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return all(t.is_alive() for t in self._threads)
+
+    def request(self, model: str, trigger: str) -> None:
+        with self._wake:
+            self._pending.setdefault(model, trigger)
+            self._wake.notify()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            for model in self.config.registry.models:
+                self.request(model, "reconciler")
+            self._stop.wait(self.config.hooks.reconcile_interval_s)
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            with self._wake:
+                while not self._pending and not self._stop.is_set():
+                    self._wake.wait()
+                if self._stop.is_set():
+                    return
+                model, trigger = next(iter(self._pending.items()))
+                del self._pending[model]
+            self._run(model, trigger)
+
+    def _run(self, model: str, trigger: str) -> None:
+        started = time.monotonic()
+        try:
+            self._sync(self.config, model, trigger=trigger, actor=f"rlops-hooks/{trigger}")
+            self.metrics.syncs.labels(trigger, "ok").inc()
+            self.last_ok_at, self.last_error = utc_now(), None
+        except Exception as exc:  # noqa: BLE001 - an outage must not kill the loop; it is reported instead
+            self.metrics.syncs.labels(trigger, "error").inc()
+            self.last_error = f"{model}: {type(exc).__name__}: {exc}"[:500]
+        self.runs += 1
+        self.last_run_at = utc_now()
+        self.metrics.sync_seconds.observe(time.monotonic() - started)
+        if trigger == "reconciler":
+            self.metrics.last_reconcile.set_to_current_time()
+            self._heartbeat()
+
+    def health(self) -> dict:
+        return {"last_run_at": self.last_run_at, "last_ok_at": self.last_ok_at, "last_error": self.last_error,
+                "runs": self.runs, "interval_s": self.config.hooks.reconcile_interval_s, "alive": self.alive}
+
+    def _heartbeat(self) -> None:
+        """What `promote status` shows as the reconciler's health (it may run in another pod)."""
+        try:
+            promoter = Promoter(self.config)
+            storage.write_status(promoter.dest, promoter.location, RECONCILER_STATUS, self.health())
+        except Exception as exc:  # noqa: BLE001 - best effort; /healthz still has it
+            self.last_error = f"heartbeat: {type(exc).__name__}: {exc}"[:500]
+
+
+def create_app(config: Config, reconciler: Reconciler, metrics: Metrics, clock: Callable[[], float] = time.time) -> Starlette:
+    if config.hooks.webhook_enabled and not config.hooks.secret:
+        raise HooksError("hooks.secret is not set: export RLOPS_HOOKS__SECRET (the same secret `rlops hooks "
+                         "register` gives MLflow), or set hooks.webhook_enabled: false")
+    seen = SeenDeliveries(config.hooks.timestamp_tolerance_s)
+    served = set(config.registry.models)
+
+    async def webhook(request: Request) -> Response:
+        if not config.hooks.webhook_enabled:
+            return JSONResponse({"error": "webhook receiver disabled"}, status_code=404)
+        body = await request.body()
+        try:
+            if len(body) > MAX_BODY_BYTES:
+                raise Rejected(413, "payload too large")
+            delivery_id = authenticate(request.headers, body, config.hooks.secret or "", clock(),
+                                       config.hooks.timestamp_tolerance_s)
+            delivery = parse_delivery(delivery_id, body)
+        except Rejected as exc:
+            metrics.deliveries.labels("rejected" if exc.status == 401 else "bad_request").inc()
+            return JSONResponse({"error": exc.reason}, status_code=exc.status)
+        if not seen.first_time(delivery.delivery_id, clock()):
+            metrics.deliveries.labels("duplicate").inc()
+            return JSONResponse({"status": "duplicate"})
+        if delivery.event not in ALIAS_EVENTS or delivery.model not in served:
+            metrics.deliveries.labels("ignored").inc()
+            return JSONResponse({"status": "ignored"})
+        reconciler.request(delivery.model, "webhook")
+        metrics.deliveries.labels("accepted").inc()
+        return JSONResponse({"status": "queued"}, status_code=202)
+
+    async def healthz(request: Request) -> Response:
+        ok = reconciler.alive
+        return JSONResponse({"status": "ok" if ok else "down", "webhook_enabled": config.hooks.webhook_enabled,
+                             "reconciler": reconciler.health()}, status_code=200 if ok else 503)
+
+    async def prometheus(request: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return Starlette(routes=[Route(WEBHOOK_PATH, webhook, methods=["POST"]), Route("/healthz", healthz),
+                             Route("/metrics", prometheus)])
+
+
+def serve(config: Config) -> None:
+    """Run the receiver and the reconciler in the foreground until interrupted."""
+    import uvicorn
+
+    metrics = Metrics()
+    reconciler = Reconciler(config, metrics)
+    app = create_app(config, reconciler, metrics)
+    reconciler.start()
+    try:
+        uvicorn.run(app, host=config.hooks.host, port=config.hooks.port, log_level="warning")
+    finally:
+        reconciler.stop()
+
+
+def webhook_url(config: Config) -> str:
+    return config.hooks.public_url or f"http://{config.hooks.host}:{config.hooks.port}{WEBHOOK_PATH}"
+
+
+def webhook_name(config: Config) -> str:
+    """One webhook per deployment (its adapter path), so re-registering updates it instead of adding one."""
+    return "rlops-promotion-" + hashlib.sha256(config.lora_path.encode()).hexdigest()[:10]
+
+
+def _all_webhooks(client) -> list:
+    hooks, token = [], None
+    while True:
+        page = client.list_webhooks(max_results=100, page_token=token)
+        hooks.extend(page)
+        token = page.token
+        if not token:
+            return hooks
+
+
+def register_webhook(config: Config) -> str:
+    """Create (or update) the MLflow webhook that posts alias events to the receiver; returns its id."""
+    if not config.hooks.secret:
+        raise HooksError("hooks.secret is not set: export RLOPS_HOOKS__SECRET before `rlops hooks register`")
+    client = registry.mlflow_client(config)
+    url = webhook_url(config)
+    name = webhook_name(config)
+    try:
+        existing = [w for w in _all_webhooks(client) if w.name == name]
+        if existing:
+            hook = client.update_webhook(existing[0].webhook_id, url=url, events=list(ALIAS_EVENTS),
+                                         secret=config.hooks.secret, status="ACTIVE")
+        else:
+            hook = client.create_webhook(name, url, list(ALIAS_EVENTS), secret=config.hooks.secret,
+                                         description="rlops: alias moved -> reconcile served adapters")
+    except MlflowException as exc:
+        raise HooksError(f"MLflow at {config.tracking_uri} refused the webhook: {exc.message}") from None
+    return hook.webhook_id

@@ -1,0 +1,192 @@
+"""The webhook receiver and the reconciler against the real MLflow server: a plain
+`MlflowClient.set_registered_model_alias` must reach serving within seconds, each path alone."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+import uvicorn
+
+from registry_hooks import operations
+from registry_hooks.service import Metrics, Reconciler, create_app, register_webhook, webhook_name
+from registry_hooks.webhook import sign
+from rlops import processes
+from rlops.processes import free_port
+
+from conftest import write_config
+from test_promotion_support import lora_template, read_manifest, register_version, write_adapter  # noqa: F401
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    return None
+
+
+@pytest.fixture
+def hooks_service(test_config, mlflow_client):
+    """Factory: run the receiver + reconciler in-process on a real port with the given hooks settings."""
+    running = []
+
+    def start(**hooks):
+        cfg = test_config.model_copy(deep=True)
+        cfg.hooks.port = free_port()
+        cfg.hooks.secret = "whsec-" + uuid.uuid4().hex
+        for key, value in hooks.items():
+            setattr(cfg.hooks, key, value)
+        metrics = Metrics()
+        reconciler = Reconciler(cfg, metrics)
+        server = uvicorn.Server(uvicorn.Config(create_app(cfg, reconciler, metrics), host="127.0.0.1",
+                                               port=cfg.hooks.port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        assert wait_for(lambda: server.started, 10)
+        reconciler.start()
+        running.append((server, thread, reconciler, cfg))
+        return cfg, reconciler, metrics, f"http://127.0.0.1:{cfg.hooks.port}"
+
+    yield start
+    for server, thread, reconciler, cfg in running:
+        server.should_exit = True
+        thread.join(10)
+        reconciler.stop()
+        for hook in mlflow_client.list_webhooks(max_results=100):
+            if hook.name == webhook_name(cfg):
+                mlflow_client.delete_webhook(hook.webhook_id)
+
+
+@pytest.fixture
+def version(test_config, lora_template, tmp_path):
+    def make(seed: int = 1) -> int:
+        return register_version(test_config, write_adapter(lora_template, tmp_path / f"a{seed}", test_config, seed=seed),
+                                step=seed)
+    return make
+
+
+def served(stack, config, alias="production"):
+    manifest = read_manifest(stack, config)
+    return manifest.aliases[alias].version if manifest and alias in manifest.aliases else None
+
+
+def sample(metrics: Metrics, name: str, **labels) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_webhook_alone_promotes_within_seconds(stack, test_config, mlflow_client, hooks_service, version):
+    cfg, reconciler, metrics, url = hooks_service(reconcile_interval_s=0)
+    register_webhook(cfg)
+    model = cfg.registry.models[0]
+    v1 = version(1)
+    time.sleep(2.5)  # the server caches its webhook list for MLFLOW_WEBHOOK_CACHE_TTL (2 s in the embedded stack)
+
+    started = time.monotonic()
+    mlflow_client.set_registered_model_alias(model, "production", str(v1))
+    assert wait_for(lambda: served(stack, cfg) == v1, 15), "webhook did not promote"
+    latency = time.monotonic() - started
+    print(f"alias set -> manifest published via webhook: {latency:.2f}s")
+    assert latency < 10
+    assert wait_for(lambda: sample(metrics, "rlops_hooks_syncs_total", trigger="webhook", outcome="ok") >= 1, 10)
+    assert sample(metrics, "rlops_hooks_syncs_total", trigger="reconciler", outcome="ok") == 0
+    assert read_manifest(stack, cfg).aliases["production"].trigger == "webhook"
+
+    mlflow_client.delete_registered_model_alias(model, "production")  # .deleted events reconcile too
+    assert wait_for(lambda: served(stack, cfg) is None, 15)
+    body = httpx.get(f"{url}/metrics").text
+    assert 'rlops_hooks_deliveries_total{result="accepted"}' in body
+
+
+def test_forged_stale_replayed_and_duplicate_deliveries(stack, test_config, mlflow_client, hooks_service, version):
+    cfg, reconciler, metrics, url = hooks_service(reconcile_interval_s=0)
+    model = cfg.registry.models[0]
+    v1 = version(1)
+    mlflow_client.set_registered_model_alias(model, "production", str(v1))
+    # The payload's version is a lie: the receiver must only reconcile the model from the registry.
+    body = json.dumps({"entity": "model_version_alias", "action": "created", "timestamp": "now",
+                       "data": {"name": model, "alias": "production", "version": "999"}}).encode()
+
+    def post(secret=cfg.hooks.secret, ts=None, delivery="d-1", payload=body, headers=None):
+        ts = str(int(time.time()) if ts is None else ts)
+        sent = headers if headers is not None else {
+            "X-MLflow-Delivery-Id": delivery, "X-MLflow-Timestamp": ts,
+            "X-MLflow-Signature": sign(secret, delivery, ts, payload)}
+        return httpx.post(f"{url}/webhook", content=payload, headers=sent, timeout=5)
+
+    assert post(secret="wrong-secret").status_code == 401
+    assert post(ts=int(time.time()) - 3600).status_code == 401
+    assert post(ts=int(time.time()) + 3600).status_code == 401
+    assert post(headers={}).status_code == 401
+    tampered = post(delivery="d-2")
+    assert tampered.status_code == 202
+    good_headers = dict(tampered.request.headers)
+    assert post(headers=good_headers).json() == {"status": "duplicate"}  # replay of a seen delivery
+    assert post(delivery="d-2").json() == {"status": "duplicate"}
+    assert post(payload=body.replace(b'"created"', b'"updated"'), headers=good_headers).status_code == 401
+    other = json.dumps({"entity": "model_version_alias", "action": "created", "data": {"name": "elsewhere"}}).encode()
+    assert post(delivery="d-3", payload=other).json() == {"status": "ignored"}
+
+    assert wait_for(lambda: served(stack, cfg) == v1, 15)
+    assert wait_for(lambda: sample(metrics, "rlops_hooks_syncs_total", trigger="webhook", outcome="ok") == 1, 10)
+    time.sleep(1)
+    assert sample(metrics, "rlops_hooks_syncs_total", trigger="webhook", outcome="ok") == 1  # duplicates: once
+    assert sample(metrics, "rlops_hooks_deliveries_total", result="rejected") == 5
+    assert len(read_manifest(stack, cfg).history) == 1
+
+
+def test_reconciler_alone_converges_with_receiver_off(stack, test_config, mlflow_client, hooks_service, version):
+    cfg, reconciler, metrics, url = hooks_service(webhook_enabled=False, reconcile_interval_s=1)
+    model = cfg.registry.models[0]
+    v1, v2 = version(1), version(2)
+    assert httpx.post(f"{url}/webhook", content=b"{}").status_code == 404
+
+    mlflow_client.set_registered_model_alias(model, "production", str(v1))
+    assert wait_for(lambda: served(stack, cfg) == v1, 10), "reconciler did not converge"
+    # A legacy stage transition (no webhook exists for it) converges too, for the unset `staging`? No:
+    # only "Production" maps, and only while the alias is unset -> delete the alias and transition v2.
+    mlflow_client.delete_registered_model_alias(model, "production")
+    with pytest.warns(FutureWarning):
+        mlflow_client.transition_model_version_stage(model, str(v2), "Production")
+    assert wait_for(lambda: served(stack, cfg) == v2, 10), "legacy stage not followed"
+
+    health = httpx.get(f"{url}/healthz").json()
+    assert health["status"] == "ok" and health["reconciler"]["last_error"] is None and health["reconciler"]["runs"] >= 2
+    state = operations.status(cfg)
+    assert state["in_sync"] and state["reconciler"]["last_run_at"] and not state["reconciler"]["stale"]
+
+
+def test_hooks_serve_command_runs_and_is_stoppable(stack, test_config, tmp_path):
+    cfg = test_config.model_copy(deep=True)
+    cfg.hooks.port = free_port()
+    cfg.data_dir = str(tmp_path / "data")  # its own process records; S3 credentials come from stack.env
+    path = write_config(tmp_path / "mlflow.yaml", cfg.model_dump(exclude_none=True))
+    env = {**stack.env, "RLOPS_CONFIG": str(path), "RLOPS_HOOKS__SECRET": "whsec-cli"}
+    proc = subprocess.Popen([sys.executable, "-m", "rlops", "hooks", "serve"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_for(lambda: processes.read_record(cfg.data_path, "hooks"), 30)
+        health = wait_for(lambda: _get_json(f"http://127.0.0.1:{cfg.hooks.port}/healthz"), 30)
+        assert health and health["status"] == "ok"
+        assert processes.stop(cfg.data_path, "hooks")  # what `rlops down` does
+        proc.wait(15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    missing = subprocess.run([sys.executable, "-m", "rlops", "hooks", "serve"], env={**env, "RLOPS_HOOKS__SECRET": ""},
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and "RLOPS_HOOKS__SECRET" in missing.stderr
+
+
+def _get_json(url: str):
+    try:
+        return httpx.get(url, timeout=1).json()
+    except httpx.HTTPError:
+        return None
