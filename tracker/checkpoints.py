@@ -103,6 +103,10 @@ class ArtifactUploader:
             self._queue.append(job)
             self._cond.notify_all()
 
+    def queued_checkpoint_steps(self) -> set[int]:
+        with self._cond:
+            return {int(job.stem.rsplit("-", 1)[1]) for job in self._queue if "-ckpt-" in job.stem}
+
     # ---- lifecycle
     def flush(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

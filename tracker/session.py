@@ -87,6 +87,7 @@ class RunSession:
             client, run_id, experiment_id, self._state,
             model_tags={TAG_BASE_MODEL: config.training.base_model, TAG_LORA_RANK: str(config.training.lora_rank)},
             on_checkpoint=self._checkpoint_landed, max_backoff_s=config.tracking.retry_max_backoff_s)
+        self._checkpoint_steps = set(self._linked) | self._uploader.queued_checkpoint_steps()
         self._heartbeat_stop = threading.Event()
         threading.Thread(target=self._heartbeat, name="rlops-tracker-heartbeat", daemon=True).start()
         self._previous_sigterm = None
@@ -149,10 +150,22 @@ class RunSession:
         points = [Point(metric_key(k), as_float(k, v), now, step) for k, v in metrics.items()]
         self._sender.submit(self._spool.append(points))
 
-    def log_checkpoint(self, adapter_dir: Path, step: int) -> None:
-        """Snapshot the adapter folder now (the trainer may delete it next); upload in the background."""
+    def log_checkpoint(self, adapter_dir: Path, step: int) -> bool:
+        """Snapshot the adapter folder now (the trainer may delete it next); upload in the background.
+        One checkpoint per step: returns False when this step's checkpoint was already logged."""
         self._check_open()
-        self._uploader.add_checkpoint(Path(adapter_dir), _check_step(step))
+        step = _check_step(step)
+        with self._lock:
+            if step in self._checkpoint_steps:
+                return False
+            self._checkpoint_steps.add(step)
+        try:
+            self._uploader.add_checkpoint(Path(adapter_dir), step)
+        except BaseException:
+            with self._lock:
+                self._checkpoint_steps.discard(step)
+            raise
+        return True
 
     def log_eval(self, data_source: str, solve_rate: float, rows: list[dict], step: int) -> None:
         """Log `eval/<data_source>/avg_score` (linked to this step's checkpoint) and the per-maze table."""

@@ -1,0 +1,229 @@
+"""The real SkyRL `RayPPOTrainer.train()` loop (workers, generator and inference mocked, as in SkyRL's
+tests/train/test_rl_callbacks.py) drives tracker.skyrl into the real MLflow server."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from unittest.mock import AsyncMock, MagicMock
+
+import pytest
+
+from test_tracker_support import make_peft_adapter, metric_history
+from tracker import RunSession
+from tracker.checkpoints import TAG_STEP
+
+skyrl_tracker = pytest.importorskip("tracker.skyrl")  # imports tracker.compat before SkyRL
+
+import torch  # noqa: E402
+from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch  # noqa: E402
+from skyrl.train.config import (  # noqa: E402
+    AlgorithmConfig, DataConfig, DataLoaderConfig, GeneratorConfig, InferenceEngineConfig, SamplingParams,
+    SkyRLTrainConfig, TrainerConfig)
+from skyrl.train.utils.callbacks import TrainingCallback  # noqa: E402
+from skyrl.train.utils.trainer_utils import cleanup_old_checkpoints  # noqa: E402
+
+DATA_SOURCE = "maze_2d/local7"
+SCORES = {0: 0.1, 2: 0.6, 3: 0.4}  # eval solve rate per step: step 2's checkpoint is the best
+
+
+class DummyDataset:
+    def __init__(self, size: int):
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, idx):
+        return ([{"role": "user", "content": f"q{idx}"}], None)
+
+    def collate_fn(self, batch):
+        return batch
+
+
+class PayloadSpy(TrainingCallback):
+    """Records what SkyRL handed to its tracker, to compare with what landed in MLflow."""
+
+    def __init__(self):
+        self.logs: list[tuple[int, dict]] = []
+
+    def on_log(self, trainer, ci, control):
+        self.logs.append((ci.global_step, dict(ci.logs)))
+
+
+def skyrl_config(tmp_path: Path, **trainer_overrides) -> SkyRLTrainConfig:
+    settings = dict(
+        project_name="skyrl-own-project", run_name="skyrl-run", logger="mlflow", micro_train_batch_size_per_gpu=2,
+        train_batch_size=2, eval_batch_size=2, update_epochs_per_batch=1, epochs=1, max_prompt_length=20,
+        remove_microbatch_padding=False, seed=42, resume_mode="none", eval_interval=2, eval_before_train=True,
+        ckpt_interval=2, hf_save_interval=3, max_ckpts_to_keep=1, ckpt_path=str(tmp_path / "ckpts"),
+        export_path=str(tmp_path / "exports"), enable_ray_gpu_monitor=False, update_ref_every_epoch=False,
+        algorithm=AlgorithmConfig(advantage_estimator="grpo", kl_estimator_type="k1", use_kl_loss=True,
+                                  kl_loss_coef=0.0, loss_reduction="token_mean", grpo_norm_by_std=True,
+                                  use_kl_in_reward=False))
+    trainer = TrainerConfig(**(settings | trainer_overrides))
+    trainer.placement.colocate_all = False
+    trainer.algorithm.dynamic_sampling.type = None
+    generator = GeneratorConfig(sampling_params=SamplingParams(max_generate_length=20), n_samples_per_prompt=1,
+                                batched=False, max_turns=1, step_wise_trajectories=False,
+                                inference_engine=InferenceEngineConfig(enable_ray_prometheus_stats=False))
+    return SkyRLTrainConfig(trainer=trainer, generator=generator,
+                            data=DataConfig(dataloader=DataLoaderConfig(num_workers=0)))
+
+
+def stub_training_input() -> TrainingInputBatch:
+    batch = TrainingInputBatch({
+        "sequences": torch.zeros((1, 4), dtype=torch.long), "attention_mask": torch.ones((1, 4), dtype=torch.long),
+        "loss_mask": torch.ones((1, 4), dtype=torch.long), "response_mask": torch.ones((1, 4), dtype=torch.long),
+        "rewards": torch.zeros((1, 4))})
+    batch.metadata = {"uids": ["uid-0"], "response_length": 4, "avg_response_length": 4.0}
+    return batch
+
+
+def trainer_args(cfg) -> dict:
+    """What BasePPOExp would pass to get_trainer, with the tokenizer, generator and inference mocked."""
+    return dict(cfg=cfg, tokenizer=MagicMock(pad_token_id=0, eos_token_id=2), train_dataset=DummyDataset(6),
+                eval_dataset=DummyDataset(2), inference_engine_client=None, generator=MagicMock(), colocate_pg=None)
+
+
+def mocked_trainer(monkeypatch, cfg, session: RunSession, adapter: Path):
+    trainer = skyrl_tracker.TrackedRayPPOTrainer(tracker=skyrl_tracker.make_tracking(cfg, session), **trainer_args(cfg))
+    return mock_workers(monkeypatch, trainer, adapter)
+
+
+def mock_workers(monkeypatch, trainer, adapter: Path, *, fail_at_step: int | None = None):
+    """Mock the trainer's GPU workers and rollouts; the worker "saves" a real PEFT adapter where SkyRL's
+    FSDP worker would (`global_step_N/policy/lora_adapter/`, or the HF export folder)."""
+    cfg = trainer.cfg
+
+    def save_adapter(model, folder, tokenizer=None):
+        target = Path(folder) / "lora_adapter" if model == "policy" and "ckpts" in str(folder) else Path(folder)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            (target / name).write_bytes((adapter / name).read_bytes())
+
+    dispatch = MagicMock()
+    dispatch.save_weights_for_sampler = AsyncMock(return_value=None)
+    dispatch.get_lcm_dp_size = MagicMock(return_value=1)
+    dispatch.save_checkpoint = MagicMock(side_effect=save_adapter)
+    dispatch.save_hf_model = MagicMock(side_effect=save_adapter)
+    trainer.dispatch = dispatch
+
+    def train_step(batch):
+        if trainer.global_step == fail_at_step:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        status = {"policy_loss": 1.0 / trainer.global_step, "grad_norm": 0.5}
+        # what the real train_critic_and_policy and generate put into the step's payload
+        trainer.all_metrics.update({f"policy/{k}": v for k, v in status.items()})
+        trainer.all_metrics.update({"reward/avg_raw_reward": 0.25, "environment/solved@1": 0.5})
+        return status
+
+    async def evaluate(*args, **kwargs):
+        score = SCORES[trainer.global_step]
+        return {f"eval/{DATA_SOURCE}/avg_score": score, f"eval/{DATA_SOURCE}/pass_at_1": score,
+                "eval/all/avg_score": score}
+
+    monkeypatch.setattr(trainer, "init_weight_sync_state", lambda: None)
+    monkeypatch.setattr(trainer, "generate", AsyncMock(
+        return_value={"rollout_metrics": None, "response_ids": [[1]], "rewards": [0.0]}))
+    monkeypatch.setattr(trainer, "eval", evaluate)
+    monkeypatch.setattr(trainer, "postprocess_generator_output", lambda gen_out, uids: (gen_out, uids))
+    monkeypatch.setattr(trainer, "convert_to_training_input", lambda *_a, **_k: stub_training_input())
+    monkeypatch.setattr(trainer, "fwd_logprobs_values_reward", lambda batch: batch)
+    monkeypatch.setattr(trainer, "compute_advantages_and_returns", lambda batch: batch)
+    monkeypatch.setattr(trainer, "train_critic_and_policy", train_step)
+    # cleanup runs on every Ray node; here there is only the driver
+    monkeypatch.setattr(trainer, "_cleanup_old_checkpoints",
+                        lambda: cleanup_old_checkpoints(cfg.trainer.ckpt_path, cfg.trainer.max_ckpts_to_keep))
+    monkeypatch.setattr("skyrl.train.trainer.prepare_generator_input",
+                        lambda *_a, **_k: ({"prompts": [[{"role": "user", "content": "q"}]]}, ["uid-0"]))
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory) -> Path:
+    return make_peft_adapter(tmp_path_factory.mktemp("peft") / "adapter")
+
+
+def test_skyrl_loop_lands_every_metric_checkpoint_eval_and_best_version(
+        monkeypatch, test_config, tmp_path, mlflow_client, adapter):
+    cfg = skyrl_config(tmp_path)
+    run_dir = Path(cfg.trainer.ckpt_path)
+    session = RunSession.start(test_config, run_dir, params=skyrl_tracker.skyrl_params(cfg),
+                               tags=skyrl_tracker.skyrl_tags(cfg), run_name="skyrl")
+    trainer = mocked_trainer(monkeypatch, cfg, session, adapter)
+    spy = PayloadSpy()
+    skyrl_tracker.attach(trainer, session, eval_data_source=DATA_SOURCE)
+    trainer.add_callback(spy)
+    asyncio.run(trainer.train())  # ends with SkyRL's tracker.finish(): must not end our run
+    assert mlflow_client.get_run(session.run_id).info.status == "RUNNING"
+    session.finish()
+
+    run = mlflow_client.get_run(session.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["trainer/policy/model/lora/rank"] == str(cfg.trainer.policy.model.lora.rank)
+    # one run only: SkyRL's backend neither opened its own run nor its own experiment
+    assert [r.info.run_id for r in mlflow_client.search_runs([session.experiment_id])] == [session.run_id]
+    assert mlflow_client.get_experiment_by_name("skyrl-own-project") is None
+
+    # every key of every payload SkyRL handed its tracker, exactly once at its step (`@` -> `_at_`)
+    assert [step for step, _ in spy.logs] == [0, 1, 2, 3]
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for step, payload in spy.logs:
+        for key, value in skyrl_tracker.numeric(payload).items():
+            expected.setdefault(key.replace("@", "_at_"), []).append((step, value))
+    assert "environment/solved_at_1" in expected and "policy/policy_loss" in expected
+    for key, points in expected.items():
+        assert metric_history(mlflow_client, session.run_id, key) == sorted(points), key
+    assert metric_history(mlflow_client, session.run_id, f"eval/{DATA_SOURCE}/avg_score") == [
+        (0, 0.1), (2, 0.6), (3, 0.4)]
+
+    # a LoggedModel per checkpoint step (2: ckpt; 3: ckpt + HF export, logged once), eval linked, the
+    # step-2 checkpoint folder already deleted by max_ckpts_to_keep=1
+    assert not (run_dir / "global_step_2").exists()
+    models = {int(m.tags[TAG_STEP]): m for m in mlflow_client.search_logged_models(
+        experiment_ids=[session.experiment_id], filter_string=f"source_run_id = '{session.run_id}'")}
+    assert sorted(models) == [2, 3]
+    for step in (2, 3):
+        linked = {m.key: m.value for m in models[step].metrics}
+        assert linked[f"eval/{DATA_SOURCE}/avg_score"] == SCORES[step]
+        files = {f.path for f in mlflow_client.list_logged_model_artifacts(models[step].model_id)}
+        assert files == {"adapter_config.json", "adapter_model.safetensors"}
+
+    # on_train_end registered the best checkpoint of that eval set, `candidate` alias only
+    version = mlflow_client.get_model_version_by_alias(test_config.registered_model, "candidate")
+    assert version.source == f"models:/{models[2].model_id}"
+    assert version.tags["rlops.step"] == "2" and version.tags["rlops.run_id"] == session.run_id
+    assert version.tags["rlops.metric_value"] == "0.6"
+    assert version.aliases == ["candidate"]
+
+
+def test_skyrl_experiment_raise_ends_failed_and_restart_resumes_the_run(monkeypatch, test_config, tmp_path,
+                                                                         mlflow_client, adapter):
+    cfg = skyrl_config(tmp_path, hf_save_interval=0)
+    run_dir = Path(cfg.trainer.ckpt_path)
+    # BasePPOExp.__init__ loads an HF tokenizer and datasets; the experiment's own code is what is under test
+    exp = skyrl_tracker.TrackedPPOExp.__new__(skyrl_tracker.TrackedPPOExp)
+    exp.cfg, exp.rlops_config, exp.run_dir, exp.eval_data_source, exp.session = cfg, test_config, run_dir, None, None
+
+    def setup_trainer():  # BasePPOExp._setup_trainer minus model building: get_tracker, then get_trainer
+        args = trainer_args(cfg)
+        exp.trainer = exp.get_trainer(tracker=exp.get_tracker(), **args)
+        return mock_workers(monkeypatch, exp.trainer, adapter, fail_at_step=3)
+
+    monkeypatch.setattr(exp, "_setup_trainer", setup_trainer)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        exp.run()
+    exp.trainer.tracker.finish()  # SkyRL's own end of tracking (also run by its __del__) must not flip FAILED
+    run = mlflow_client.get_run(exp.session.run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["rlops.exception_type"] == "RuntimeError"
+    assert "illegal memory access" in run.data.tags["rlops.exception_message"]
+    assert [s for s, _ in metric_history(mlflow_client, run.info.run_id, "policy/policy_loss")] == [1, 2]
+    assert [int(m.tags[TAG_STEP]) for m in mlflow_client.search_logged_models(
+        experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = '{run.info.run_id}'")] == [2]
+
+    resumed = RunSession.start(test_config, run_dir, params=skyrl_tracker.skyrl_params(cfg))
+    assert resumed.run_id == run.info.run_id
+    assert mlflow_client.get_run(resumed.run_id).info.status == "RUNNING"
+    assert resumed.log_checkpoint(adapter, step=2) is False  # step 2 is archived already
+    resumed.finish()

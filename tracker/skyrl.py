@@ -1,0 +1,200 @@
+"""SkyRL adapter: a `TrainingCallback`, an HF-export hook and an experiment class around RunSession.
+
+Our session owns the run. It starts before SkyRL's `Tracking` is built; with `trainer.logger=mlflow`
+SkyRL's own MLflow backend is replaced by `SessionBackend`, because that backend would (a) open its own
+run state through the fluent API, (b) log the raw config as params (unredacted, and in conflict with ours
+on resume), (c) log every payload a second time, synchronously, and (d) end the run FINISHED from
+`Tracking.finish()`/`__del__` even after a crash. Metrics reach MLflow once, through `on_log`.
+
+Usage (what `training/skyrl_main.py` needs):
+
+    exp = TrackedPPOExp(skyrl_cfg, rlops_config)     # instead of BasePPOExp(skyrl_cfg)
+    exp.run()                                         # FINISHED / FAILED / KILLED like RunSession
+
+Importing this module imports SkyRL; the rest of `tracker/` never does.
+"""
+from __future__ import annotations
+
+import logging
+import numbers
+from pathlib import Path
+from typing import Any, Mapping
+
+from tracker import compat  # noqa: F401  (must precede the SkyRL imports on Python 3.11)
+from skyrl.train.entrypoints.main_base import BasePPOExp  # noqa: E402
+from skyrl.train.trainer import RayPPOTrainer  # noqa: E402
+from skyrl.train.utils.callbacks import TrainingCallback  # noqa: E402
+from skyrl.train.utils.tracking import Tracking, _compute_mlflow_params_from_objects  # noqa: E402
+
+from rlops.config import Config  # noqa: E402
+from rlops.layout import ADAPTER_CONFIG  # noqa: E402
+from tracker.session import RunSession  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+LORA_ADAPTER_DIR = Path("policy") / "lora_adapter"  # inside `global_step_N/`
+EVAL_PREFIX = "eval/"
+
+
+def numeric(payload: Mapping[str, Any]) -> dict[str, float]:
+    """Numeric scalars of a SkyRL payload (it may also carry strings, lists or tensors)."""
+    out = {}
+    for key, value in payload.items():
+        if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+            value = value.item()
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            out[key] = float(value)
+    return out
+
+
+def skyrl_params(cfg: Any) -> dict[str, Any]:
+    """The SkyRL config flattened exactly as SkyRL's own MLflow backend names params (`a/b/c`)."""
+    return _compute_mlflow_params_from_objects(cfg)
+
+
+def skyrl_tags(cfg: Any) -> dict[str, str]:
+    model = cfg.trainer.policy.model
+    tags = {"rlops.trainer": "skyrl", "rlops.base_model": str(model.path)}
+    if getattr(model, "lora", None) is not None and model.lora.rank:
+        tags["rlops.lora_rank"] = str(model.lora.rank)
+    datasets = getattr(cfg.data, "train_data", None)
+    if datasets:
+        tags["rlops.dataset"] = ",".join(str(d) for d in datasets)[:500]
+    return tags
+
+
+def adapter_dir_of(folder: Path) -> Path | None:
+    """The PEFT adapter folder inside a SkyRL checkpoint or HF export, if there is one."""
+    for candidate in (folder / LORA_ADAPTER_DIR, folder / "policy", folder / "lora_adapter", folder):
+        if (candidate / ADAPTER_CONFIG).is_file():
+            return candidate
+    return None
+
+
+class SessionBackend:
+    """Stands in for SkyRL's `_MlflowLoggingAdapter` inside `Tracking`: no second run, no params, no
+    second copy of the metrics (the callback's `on_log` logs each payload), and no end of the run."""
+
+    def __init__(self, session: RunSession):
+        self.session = session
+
+    def log(self, data: Mapping[str, Any], step: int) -> None:
+        """Deliberately nothing: `TrackerCallback.on_log` received this exact payload just before."""
+
+    def finish(self) -> None:
+        """Deliberately nothing: the session, not SkyRL, decides FINISHED/FAILED/KILLED."""
+
+
+def make_tracking(cfg: Any, session: RunSession) -> Tracking:
+    """SkyRL's `Tracking` for `cfg.trainer.logger`, with the MLflow backend routed to `session`."""
+    if cfg.trainer.logger != "mlflow":
+        return Tracking(project_name=cfg.trainer.project_name, experiment_name=cfg.trainer.run_name,
+                        backend=cfg.trainer.logger, config=cfg, tags=cfg.trainer.tags)
+    tracking = Tracking(project_name=cfg.trainer.project_name, experiment_name=cfg.trainer.run_name,
+                        backend="console", config=cfg, tags=cfg.trainer.tags)
+    tracking.backend, tracking.logger = "mlflow", SessionBackend(session)
+    return tracking
+
+
+class TrackerCallback(TrainingCallback):
+    """Feeds SkyRL's training events into a RunSession (metric names: SkyRL's, `@` -> `_at_`)."""
+
+    def __init__(self, session: RunSession, *, register_best: bool = True, eval_data_source: str | None = None):
+        if not isinstance(session, RunSession):
+            raise TypeError(f"TrackerCallback needs a tracker.RunSession, got {type(session).__name__}")
+        self.session = session
+        self.register_best = register_best
+        self.eval_data_source = eval_data_source
+
+    def on_train_start(self, trainer, callback_input, control) -> None:
+        self.session.log_metrics({"trainer/start_step": callback_input.global_step}, step=callback_input.global_step)
+
+    def on_log(self, trainer, callback_input, control) -> None:
+        # eval/* keys are in this payload too; on_eval_end already logged them, linked to the checkpoint
+        metrics = {k: v for k, v in numeric(callback_input.logs or {}).items() if not k.startswith(EVAL_PREFIX)}
+        if metrics:
+            self.session.log_metrics(metrics, step=callback_input.global_step)
+
+    def on_eval_end(self, trainer, callback_input, control) -> None:
+        metrics = numeric(callback_input.metrics or {})
+        if metrics:
+            self.session.log_eval_metrics(metrics, step=callback_input.global_step)
+
+    def on_save(self, trainer, callback_input, control) -> None:
+        log_adapter(self.session, callback_input.ckpt_path, callback_input.global_step)
+
+    def on_train_end(self, trainer, callback_input, control) -> None:
+        if self.register_best:
+            self.session.register_best(self.eval_data_source)
+
+
+def log_adapter(session: RunSession, folder: str | None, step: int) -> bool:
+    """Log the LoRA adapter of a checkpoint/export folder once per step. False when there is none here
+    (full fine-tuning, or a remote `s3://` ckpt_path the hook cannot snapshot locally)."""
+    if not folder or "://" in str(folder):
+        log.warning("step %s: checkpoint %r is not a local folder; its adapter is not archived", step, folder)
+        return False
+    adapter = adapter_dir_of(Path(folder))
+    if adapter is None:
+        log.warning("step %s: no LoRA adapter (adapter_config.json) under %s", step, folder)
+        return False
+    return session.log_checkpoint(adapter, step)
+
+
+class TrackedRayPPOTrainer(RayPPOTrainer):
+    """RayPPOTrainer whose HF export (`hf_save_interval`, which fires no callback event) is archived too."""
+
+    rlops_session: RunSession | None = None
+
+    def save_models(self) -> None:
+        super().save_models()
+        if self.rlops_session is not None:
+            export = Path(self.cfg.trainer.export_path) / f"global_step_{self.global_step}"
+            log_adapter(self.rlops_session, str(export), self.global_step)
+
+
+class TrackedPPOExp(BasePPOExp):
+    """`BasePPOExp` whose run is owned by a RunSession kept beside the checkpoints (`trainer.ckpt_path`),
+    so `trainer.resume_mode=latest` after a restart continues the same MLflow run."""
+
+    def __init__(self, cfg: Any, rlops_config: Config, *, run_dir: Path | None = None,
+                 eval_data_source: str | None = None):
+        if not isinstance(rlops_config, Config):
+            raise TypeError(f"rlops_config must be rlops.config.Config, got {type(rlops_config).__name__}")
+        super().__init__(cfg)
+        self.rlops_config = rlops_config
+        self.run_dir = Path(run_dir or cfg.trainer.ckpt_path)
+        self.eval_data_source = eval_data_source
+        self.session: RunSession | None = None
+
+    def get_tracker(self) -> Tracking:
+        self.session = RunSession.start(self.rlops_config, self.run_dir, params=skyrl_params(self.cfg),
+                                        tags=skyrl_tags(self.cfg), run_name=self.cfg.trainer.run_name)
+        return make_tracking(self.cfg, self.session)
+
+    def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset, inference_engine_client,
+                    generator, colocate_pg) -> TrackedRayPPOTrainer:
+        trainer = TrackedRayPPOTrainer(cfg=cfg, tracker=tracker, tokenizer=tokenizer, train_dataset=train_dataset,
+                                       eval_dataset=eval_dataset, inference_engine_client=inference_engine_client,
+                                       generator=generator, colocate_pg=colocate_pg)
+        attach(trainer, self.session, eval_data_source=self.eval_data_source)
+        return trainer
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except BaseException as exc:
+            if self.session is not None:
+                self.session.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        if self.session is not None:
+            self.session.finish()
+
+
+def attach(trainer: RayPPOTrainer, session: RunSession, *, eval_data_source: str | None = None) -> TrackerCallback:
+    """Register the tracker callback (and the HF-export hook, for a TrackedRayPPOTrainer) on `trainer`."""
+    callback = TrackerCallback(session, eval_data_source=eval_data_source)
+    trainer.add_callback(callback)
+    if isinstance(trainer, TrackedRayPPOTrainer):
+        trainer.rlops_session = session
+    return callback
