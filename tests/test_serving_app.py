@@ -259,3 +259,177 @@ def test_alias_names_answer_like_offline_peft(served: ServedApp, with_image: boo
     assert pinned.choices[0].message.content == answers[served.name("@staging")]
     base = client.chat.completions.create(model=served.base, messages=chat_messages(with_image), temperature=0, max_tokens=8)
     assert base.choices[0].message.content == offline_answer(served.base_dir, None, with_image, 8)
+
+
+def test_streaming_sends_chunks_then_done(served: ServedApp):
+    body = {"model": served.name("@staging"), "messages": chat_messages(False), "temperature": 0, "max_tokens": 8,
+            "stream": True, "stream_options": {"include_usage": True}}
+    events = []
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, headers=served.headers(), timeout=60) as r:
+        assert r.status_code == 200 and r.headers["x-rlops-model-version"] == "2"
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len([c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]) >= 2
+    assert {c["model"] for c in chunks} == {served.name("@staging")}
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == offline_answer(served.base_dir, served.adapters[2], False, 8)
+    assert chunks[-1]["usage"]["completion_tokens"] > 0
+    streamed = served.openai().chat.completions.create(model=served.name(), messages=chat_messages(False),
+                                                       temperature=0, max_tokens=8, stream=True)
+    parts = [c.choices[0].delta.content or "" for c in streamed if c.choices]
+    assert "".join(parts) == offline_answer(served.base_dir, served.adapters[1], False, 8)
+
+
+def test_completions_with_usage_and_stop(served: ServedApp):
+    client = served.openai()
+    full = client.completions.create(model=served.name("@staging"), prompt="move right then", temperature=0, max_tokens=6)
+    assert full.model == served.name("@staging") and full.usage.prompt_tokens == 3
+    text = full.choices[0].text
+    assert full.usage.completion_tokens >= 1 and full.usage.total_tokens == 3 + full.usage.completion_tokens
+    words = text.split()
+    assert len(words) >= 2
+    # Stop at the second word: the answer ends right before it (the stop string itself is not returned).
+    cut = client.completions.create(model=served.name("@staging"), prompt="move right then", temperature=0,
+                                    max_tokens=6, stop=[" " + words[1]])
+    assert cut.choices[0].text == words[0] and cut.choices[0].finish_reason == "stop"
+    sampled = client.completions.create(model=served.name(), prompt="move", temperature=1.0, seed=7, max_tokens=4)
+    assert sampled.usage.completion_tokens <= 4
+
+
+def test_models_lists_served_aliases_with_versions(served: ServedApp):
+    client = served.openai()
+    cards = {m.id: m for m in client.models.list().data}
+    assert served.base in cards
+    assert {served.name(), served.name("@production"), served.name("@staging")} <= set(cards)
+    assert cards[served.name("@staging")].metadata["version"] == 2
+    assert cards[served.name()].metadata["version"] == 1
+    listing = httpx.get(f"{served.url}/v1/models", headers=served.headers()).text
+    assert f"{served.model}-v" not in listing and "s3://" not in listing
+    one = httpx.get(f"{served.url}/v1/models/{served.name('@staging')}", headers=served.headers())
+    assert one.status_code == 200 and one.json()["metadata"]["version"] == 2
+    assert one.headers["x-rlops-model-version"] == "2"
+
+
+def test_errors_are_openai_shaped_and_never_show_folders(served: ServedApp):
+    good = chat_messages(False)
+    remote_image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/x.png"}}]}]
+    cases = [
+        ({"model": f"{served.name()}-v1", "messages": good}, 404, "does not exist"),  # a raw folder name
+        ({"model": f"{served.base}:nope", "messages": good}, 404, "does not exist"),
+        ({"model": "other-base", "messages": good}, 404, "does not exist"),
+        ({"model": f"{served.base}:../{served.model}", "messages": good}, 400, "no '..'"),
+        ({"model": f"{served.base}:{served.model}@canary", "messages": good}, 404, "not served"),
+        ({"model": f"{served.name('@v99')}", "messages": good}, 404, "never promoted"),
+        ({"messages": good}, 400, "'model' is required"),
+        ({"model": served.name(), "messages": remote_image}, 400, "data URL"),
+        ({"model": served.name(), "messages": good, "n": 2}, 400, "'n' must be 1"),
+        ({"model": "x" * 300, "messages": good}, 400, "longer than"),
+    ]
+    bucket = served.config.storage.bucket
+    for body, status, needle in cases:
+        r = httpx.post(f"{served.url}/v1/chat/completions", json=body, headers=served.headers(), timeout=30)
+        assert r.status_code == status, (body.get("model"), r.text)
+        error = r.json()["error"]
+        assert needle in error["message"] and error["type"]
+        assert f"{served.model}-v" not in r.text.replace(str(body.get("model")), "")
+        assert "s3://" not in r.text and f"lora-serving" not in r.text and bucket not in r.text
+    for raw, status in ((b"{not json", 400), (b'{"model": "' + b"x" * (3 * 1024 * 1024) + b'"}', 413)):
+        r = httpx.post(f"{served.url}/v1/chat/completions", content=raw, timeout=30,
+                       headers={**served.headers(), "content-type": "application/json"})
+        assert r.status_code == status and r.json()["error"]["message"]
+    r = httpx.post(f"{served.url}/v1/embeddings", json={"model": f"{served.name()}-v1", "input": "x"},
+                   headers=served.headers())
+    assert r.status_code == 404 and "not served" in r.json()["error"]["message"]
+
+
+def test_api_keys_are_enforced(served: ServedApp):
+    body = {"model": served.name(), "messages": chat_messages(False), "max_tokens": 2}
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": f"Basic {API_KEY}"}):
+        for method, path, payload in (("POST", "/v1/chat/completions", body), ("GET", "/v1/models", None)):
+            r = httpx.request(method, f"{served.url}{path}", json=payload, headers=headers, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert API_KEY not in r.text
+    from openai import AuthenticationError, OpenAI
+
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=f"{served.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+
+
+# Tests below move aliases: they run last and put production back on v1.
+
+
+def test_alias_move_reaches_new_version_within_staleness_while_inflight_finishes(served: ServedApp):
+    body = {"model": served.name(), "messages": chat_messages(False), "temperature": 0, "max_tokens": 8, "stream": True}
+    try:
+        with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, headers=served.headers(),
+                          timeout=60) as inflight:
+            lines = inflight.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))  # the request is being answered
+            served.move_alias("production", 2)
+            published = time.time()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert inflight.status_code == 200 and inflight.headers["x-rlops-model-version"] == "1"
+        assert rest[-1] == "data: [DONE]"
+        text = "".join((json.loads(e[6:])["choices"] or [{}])[0].get("delta", {}).get("content") or ""
+                       for e in [first, *rest[:-1]])
+        assert text == offline_answer(served.base_dir, served.adapters[1], False, 8)
+
+        seen = None
+        while seen != "2":
+            r = httpx.post(f"{served.url}/v1/chat/completions", headers=served.headers(), timeout=30,
+                           json={"model": served.name(), "messages": chat_messages(False), "max_tokens": 1})
+            assert r.status_code == 200
+            seen = r.headers["x-rlops-model-version"]
+            assert seen == "2" or time.time() - published < STALENESS_S + 0.5, "alias move not seen within the bound"
+        moved = served.openai().chat.completions.create(model=served.name(), messages=chat_messages(False),
+                                                        temperature=0, max_tokens=8)
+        assert moved.choices[0].message.content == offline_answer(served.base_dir, served.adapters[2], False, 8)
+    finally:
+        served.move_alias("production", 1)
+
+
+def test_load_while_alias_flips_has_no_5xx_and_only_published_versions(served: ServedApp):
+    clients, flips = 6, 10
+    results: list[tuple[float, float, int, str | None]] = []
+    done = threading.Event()
+
+    def client_loop() -> None:
+        with httpx.Client(headers=served.headers(), timeout=60) as http:
+            while not done.is_set():
+                started = time.time()
+                r = http.post(f"{served.url}/v1/chat/completions",
+                              json={"model": served.name(), "messages": chat_messages(False), "max_tokens": 2})
+                results.append((started, time.time(), r.status_code, r.headers.get("x-rlops-model-version")))
+
+    served.move_alias("production", 1)
+    with ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(client_loop) for _ in range(clients)]
+        try:
+            for flip in range(flips):
+                served.move_alias("production", 2 if flip % 2 == 0 else 1)
+                time.sleep(0.3)
+            time.sleep(STALENESS_S)
+        finally:
+            done.set()
+            for future in futures:
+                future.result()
+    history = [(before, after, v) for before, after, alias, v in served.publications if alias == "production"]
+
+    def was_published(version: int, start: float, end: float) -> bool:
+        """Some publication of `version` was live at a moment within [start - staleness, end]."""
+        for i, (before, _, v) in enumerate(history):
+            live_until = history[i + 1][1] if i + 1 < len(history) else float("inf")
+            if v == version and before <= end and live_until >= start - STALENESS_S:
+                return True
+        return False
+
+    assert len(results) >= clients * 5
+    assert [r for r in results if r[2] >= 500] == []
+    assert {r[2] for r in results} == {200}
+    stale = [r for r in results if not was_published(int(r[3]), r[0], r[1])]
+    assert stale == [], f"{len(stale)} responses came from a version not published within the staleness bound"
+    assert {r[3] for r in results} == {"1", "2"}
+    served.move_alias("production", 1)
