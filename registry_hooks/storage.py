@@ -14,8 +14,8 @@ from rlops.layout import ADAPTER_CONFIG, RoutesManifest, S3Location, model_from_
 
 Progress = Callable[[int], None]
 CHUNK = 8 * 1024 * 1024
-# copy_object handles objects up to 5 GiB in one request; larger ones go multipart (UploadPartCopy).
-SERVER_SIDE_COPY = TransferConfig(multipart_threshold=5 * 1024**3, multipart_chunksize=512 * 1024**2)
+SINGLE_COPY_LIMIT = 5 * 1024**3  # CopyObject's limit; larger objects are copied in parts
+SERVER_SIDE_COPY = TransferConfig(multipart_threshold=SINGLE_COPY_LIMIT, multipart_chunksize=512 * 1024**2)
 STREAMING = TransferConfig(multipart_threshold=CHUNK, multipart_chunksize=CHUNK, max_concurrency=4)
 STATUS_DIR = "_status"
 
@@ -77,9 +77,15 @@ def sha256_of(client, ref: ObjectRef) -> str:
     return digest.hexdigest()
 
 
-def server_side_copy(client, src: ObjectRef, dst: ObjectRef, progress: Progress | None = None) -> None:
-    client.copy({"Bucket": src.bucket, "Key": src.key}, dst.bucket, dst.key, Config=SERVER_SIDE_COPY,
-                Callback=progress)
+def server_side_copy(client, src: ObjectRef, dst: ObjectRef, size: int, progress: Progress | None = None) -> None:
+    """The bytes never leave the S3 server: one CopyObject, or UploadPartCopy parts above 5 GiB."""
+    source = {"Bucket": src.bucket, "Key": src.key}
+    if size < SINGLE_COPY_LIMIT:
+        client.copy_object(CopySource=source, Bucket=dst.bucket, Key=dst.key)
+        if progress is not None:
+            progress(size)
+    else:
+        client.copy(source, dst.bucket, dst.key, Config=SERVER_SIDE_COPY, Callback=progress)
 
 
 def streaming_copy(src_client, src: ObjectRef, dst_client, dst: ObjectRef, progress: Progress | None = None) -> None:

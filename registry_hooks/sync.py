@@ -103,7 +103,7 @@ class S3SourceFiles:
 
     def copy_to(self, name: str, dst: storage.ObjectRef) -> None:
         if self.mode == "server_side":
-            storage.server_side_copy(self.p.dest, self._ref(name), dst, self.p.on_bytes)
+            storage.server_side_copy(self.p.dest, self._ref(name), dst, self.sizes[name], self.p.on_bytes)
         else:
             storage.streaming_copy(self.p.source, self._ref(name), self.p.dest, dst, self.p.on_bytes)
 
