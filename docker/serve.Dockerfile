@@ -4,7 +4,8 @@
 FROM rayproject/ray-llm:2.60.0-py311-cu128
 
 # This package goes in --no-deps: the image's ray/vllm/transformers stay as Ray built them; its own needs
-# beyond the image are exactly boto3 and the MLflow client (registry_hooks).
+# beyond the image are boto3 and the MLflow client (registry_hooks). The last step fails the build if the
+# image lacks anything the serving app or the CLI (`rlops hooks serve`) imports.
 RUN pip install --no-cache-dir "boto3==1.44.8" "mlflow-skinny==3.17.2"
 COPY --chown=ray:users pyproject.toml README.md /tmp/rlops/
 COPY --chown=ray:users rlops /tmp/rlops/rlops
@@ -14,4 +15,5 @@ COPY --chown=ray:users tracker /tmp/rlops/tracker
 COPY --chown=ray:users training /tmp/rlops/training
 RUN pip install --no-cache-dir --no-deps /tmp/rlops \
     && rm -rf /tmp/rlops \
-    && python -c "import serving, registry_hooks, ray.serve.llm"
+    && python -c "import serving, registry_hooks, ray.serve.llm" \
+    && rlops --help >/dev/null

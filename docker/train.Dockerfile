@@ -16,4 +16,5 @@ COPY --chown=ray:users serving /tmp/rlops/serving
 COPY --chown=ray:users registry_hooks /tmp/rlops/registry_hooks
 RUN pip install --no-cache-dir "/tmp/rlops[skyrl]" \
     && rm -rf /tmp/rlops \
-    && python -c "import tracker, training, skyrl.train.trainer"
+    && python -c "import tracker, training, skyrl.train.trainer" \
+    && rlops --help >/dev/null

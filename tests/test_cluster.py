@@ -92,6 +92,24 @@ def test_images_follow_the_pin_set():
     assert f'ray=={skyrl_ray}; extra == "skyrl-train"' in meta.read_text()
 
 
+def test_skyrl_extra_agrees_with_skyrl_train_pins():
+    """The training image installs skyrl[skyrl-train] and our `skyrl` extra side by side: same exact pins."""
+    import tomllib
+    from importlib.metadata import requires
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["skyrl"]
+    ours = dict(r.split("==", 1) for r in extra if "==" in r)
+    theirs = {}
+    for requirement in requires("skyrl") or []:
+        spec, _, marker = requirement.partition(";")
+        if 'extra == "skyrl-train"' in marker and "==" in spec:
+            name, version = spec.split("==", 1)
+            theirs[name.strip()] = version.strip()
+    shared = set(ours) & set(theirs)
+    assert shared, "no common pins: the comparison would be empty"
+    assert {n: ours[n] for n in shared} == {n: theirs[n] for n in shared}
+
+
 # ------------------------------------------------------------------------------------- schema validation
 
 

@@ -1,7 +1,8 @@
 """tracker: GRPO run tracking into MLflow that never blocks training and never loses a point.
 
-`RunSession` is the trainer-agnostic core; adapters: `tracker.hf.TrackerCallback` (transformers/TRL),
-`tracker.skyrl` (SkyRL callback + experiment class, imported only when used)."""
+`RunSession` is the trainer-agnostic core; `sweep_stale_runs` settles runs whose process died silently.
+Adapters: `tracker.hf.TrackerCallback` (transformers/TRL) and `tracker.skyrl` (imported only when used)."""
 from tracker.session import RunSession, RunTerminated
+from tracker.sweep import sweep_stale_runs
 
-__all__ = ["RunSession", "RunTerminated"]
+__all__ = ["RunSession", "RunTerminated", "sweep_stale_runs"]

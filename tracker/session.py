@@ -134,6 +134,11 @@ class RunSession:
         return self._experiment_id
 
     @property
+    def failed_requests(self) -> int:
+        """How many metric requests to MLflow failed and were retried (an outage shows up here)."""
+        return self._sender.failed_requests
+
+    @property
     def ended(self) -> str | None:
         """The final status once the session ended, else None."""
         return self._ended
