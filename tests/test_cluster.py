@@ -243,6 +243,27 @@ def _is_subset(part: Any, whole: Any) -> bool:
     return part == whole
 
 
+def _containers(node: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(node, dict):
+        if isinstance(node.get("containers"), list):
+            yield from node["containers"]
+        for v in node.values():
+            yield from _containers(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _containers(v)
+
+
+def test_manifest_commands_are_real_cli_commands():
+    """A container that runs `rlops ...` names a command the installed CLI has (e.g. `rlops hooks serve`)."""
+    commands = [c["command"] for p in K8S.glob("*.yaml") for d in _documents(p) for c in _containers(d)
+                if c.get("command", [None])[0] == "rlops"]
+    assert ["rlops", "hooks", "serve"] in commands
+    for command in commands:
+        out = subprocess.run([str(BIN / "rlops"), *command[1:], "--help"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, f"{' '.join(command)}: {out.stderr}"
+
+
 def test_cluster_config_is_valid_and_external():
     text = yaml.safe_load((K8S / "config.yaml").read_text())["data"]["mlflow.yaml"]
     config = load_config(_write(text), environ={})

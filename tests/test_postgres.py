@@ -286,23 +286,27 @@ class _Receiver(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_webhook_created_and_delivered_signed_from_postgres_store(client, unique_name):
-    from mlflow.entities.webhook import WebhookEvent
-
+def test_hooks_register_creates_one_webhook_and_mlflow_delivers_signed(client, pg_mlflow, unique_name):
+    """`rlops hooks register` (the product path) on the PostgreSQL store: idempotent, and MLflow delivers
+    alias events signed with the hooks secret, which travels only through the environment."""
     model = f"pg-hook-{unique_name}"
     client.create_registered_model(model)
     version = _new_version(client, model)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     secret = secrets.token_hex(16)
+    url = f"http://127.0.0.1:{server.server_port}/webhook"
+    env = dict(pg_mlflow.env, RLOPS_HOOKS__SECRET=secret, RLOPS_HOOKS__PUBLIC_URL=url,
+               RLOPS_SERVING__DYNAMIC_LORA_LOADING_PATH=f"s3://bucket/lora-{unique_name}",  # its own webhook name
+               MLFLOW_TRACKING_USERNAME=ADMIN, MLFLOW_TRACKING_PASSWORD=pg_mlflow.admin_password)
     try:
-        hook = client.create_webhook(
-            name=f"hook-{unique_name}", url=f"http://127.0.0.1:{server.server_port}/hook",
-            events=[WebhookEvent("model_version_alias", "created")], secret=secret,
-        )
+        first, again = run_cli(["hooks", "register"], env), run_cli(["hooks", "register"], env)
+        assert first.returncode == 0 and again.returncode == 0, first.stderr + again.stderr
+        assert secret not in first.stdout + first.stderr + again.stdout + again.stderr
         # Reading webhooks back needs the server's persistent encryption key (mlflow#19896).
-        listed = {w.webhook_id: w for w in client.list_webhooks()}
-        assert listed[hook.webhook_id].url == f"http://127.0.0.1:{server.server_port}/hook"
+        mine = [w for w in client.list_webhooks() if w.url == url]
+        assert len(mine) == 1, "re-registering must update the webhook, not add one"
+        assert mine[0].webhook_id in first.stdout and mine[0].webhook_id in again.stdout
         # The server caches the webhook list (MLFLOW_WEBHOOK_CACHE_TTL=2 in the embedded stack).
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -311,9 +315,10 @@ def test_webhook_created_and_delivered_signed_from_postgres_store(client, unique
                 break
             client.delete_registered_model_alias(model, "production")
         assert _Receiver.arrived.is_set(), "no webhook delivery within 30 s"
-        headers, body = next((h, b) for h, b in _Receiver.deliveries if json.loads(b)["data"]["name"] == model)
+        headers, body = next((h, b) for h, b in _Receiver.deliveries
+                             if json.loads(b)["data"]["name"] == model and json.loads(b)["action"] == "created")
         payload = json.loads(body)
-        assert (payload["entity"], payload["action"]) == ("model_version_alias", "created")
+        assert payload["entity"] == "model_version_alias"
         assert payload["data"] == {"name": model, "alias": "production", "version": version.version}
         signed = f"{headers['x-mlflow-delivery-id']}.{headers['x-mlflow-timestamp']}.{body.decode()}"
         expected = base64.b64encode(hmac.new(secret.encode(), signed.encode(), hashlib.sha256).digest()).decode()
@@ -322,7 +327,7 @@ def test_webhook_created_and_delivered_signed_from_postgres_store(client, unique
         server.shutdown()
         server.server_close()
         for w in client.list_webhooks():
-            if w.name == f"hook-{unique_name}":
+            if w.url == url:
                 client.delete_webhook(w.webhook_id)
 
 
