@@ -195,7 +195,7 @@ class AliasIngress(OpenAiIngress):
 
             # boto3 reads AWS_ENDPOINT_URL / AWS_REGION / credentials from the job-level runtime env, as Ray's
             # own LoRA downloader does; short timeouts keep a dead S3 from stalling the refresh thread.
-            s3_client = boto3.client("s3", config=BotoConfig(connect_timeout=2, read_timeout=5,
+            s3_client = boto3.client("s3", config=BotoConfig(connect_timeout=2, read_timeout=5, signature_version="s3v4",
                                                              retries={"max_attempts": 2}))
         self._routes = RoutesCache(
             s3_client, parse_s3_uri(self._settings.lora_path), base_model_id=self._settings.base_model_id,
@@ -205,10 +205,10 @@ class AliasIngress(OpenAiIngress):
         self._routes.start()
         self._metrics = IngressMetrics()
 
-    def __del__(self):
+    def __del__(self):  # Serve's graceful shutdown of the replica
         routes = getattr(self, "_routes", None)
         if routes is not None:
-            routes._stop.set()
+            routes.stop(wait=False)
 
     # --------------------------------------------------------------------------------- endpoints
 

@@ -10,7 +10,7 @@ import pytest
 from rlops.layout import AliasRoute, MalformedModelName, ModelNotFound, RoutesManifest, parse_s3_uri, routes_key
 from serving.engines.text import StopTextAssembler
 from serving.ingress import ClientError, NameRewriter, api_key_digests, check_api_key, parse_request, version_headers
-from serving.routes import RoutesCache, RoutesTable, internal_model_id, plan_refresh
+from serving.routes import RoutesCache, RoutesTable, internal_model_id, parse_list_page, plan_refresh
 
 BASE = "visgym-qwen3vl"
 
@@ -92,6 +92,16 @@ def test_models_list_with_10k_manifests_is_fast():
     assert (time.perf_counter() - started) * 1000 < 1
     assert len(json.loads(body)["data"]) == 1 + 3 * 10_000
     assert first_ms < 2000
+
+
+def test_list_page_parsing_reads_keys_etags_and_continuation():
+    body = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+            b"<IsTruncated>true</IsTruncated><Contents><Key>p/_routes/a%2Eb.json</Key><ETag>&quot;e1&quot;</ETag></Contents>"
+            b"<Contents><Key>p/_routes/c.json</Key><ETag>&quot;e2&quot;</ETag></Contents>"
+            b"<NextContinuationToken>tok</NextContinuationToken></ListBucketResult>")
+    assert parse_list_page(body) == ({"p/_routes/a.b.json": '"e1"', "p/_routes/c.json": '"e2"'}, "tok")
+    last = body.replace(b"<IsTruncated>true", b"<IsTruncated>false")
+    assert parse_list_page(last)[1] is None
 
 
 def test_plan_refresh_fetches_only_changed_and_drops_removed():
@@ -191,7 +201,12 @@ def test_app_args_and_print_config_carry_no_secrets(stack):
 
 
 def test_routes_cache_follows_s3_with_etags(stack, unique_name):
-    s3 = stack.s3()
+    import boto3
+    from botocore.config import Config as BotoConfig
+
+    from rlops.config import s3_client_kwargs
+
+    s3 = boto3.client("s3", config=BotoConfig(signature_version="s3v4"), **s3_client_kwargs(stack.config))
     location = parse_s3_uri(f"s3://{stack.config.storage.bucket}/lora-{unique_name}")
 
     def publish(m: RoutesManifest) -> None:
