@@ -74,20 +74,15 @@ def status(obj: CliContext) -> None:
         sys.exit(1)
 
 
-@main.command()
-@pass_ctx
-def demo(obj: CliContext) -> None:
-    """Run the whole loop on embedded defaults (for now: bring the stack up and report its health)."""
-    obj_ctx = click.get_current_context()
-    obj_ctx.invoke(up)
-    click.echo("Stack is up. Stop it with: rlops down")
-
 from rlops.commands.data import data_group  # noqa: E402
 main.add_command(data_group)
 from rlops.commands.serve import serve_command  # noqa: E402
 main.add_command(serve_command)
 from rlops.commands.hooks import hooks_group  # noqa: E402
 main.add_command(hooks_group)
+
+from rlops.commands.demo import demo_command  # noqa: E402
+main.add_command(demo_command)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,26 @@
+"""`rlops demo`: train -> track -> register -> promote -> serve -> answer, on embedded defaults."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from rlops.commands.context import CliContext, pass_ctx
+
+
+@click.command("demo")
+@click.option("--fast", is_flag=True, help="Tiny base without SFT and a few GRPO steps (CI: under 4 minutes).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON at the end.")
+@pass_ctx
+def demo_command(obj: CliContext, fast: bool, as_json: bool) -> None:
+    """Run the whole loop on this machine; leaves MLflow, S3, hooks and the endpoint running (`rlops down` stops them)."""
+    from rlops.demo import DemoError, run_demo, where_to_look
+    from rlops.stack import StackError
+
+    try:
+        summary = run_demo(obj.config, fast=fast, config_path=obj.path, echo=click.echo)
+    except (DemoError, StackError) as exc:
+        raise click.ClickException(f"demo stopped: {exc}\nEverything it started is still recorded; `rlops down` stops it.") from None
+    click.echo(where_to_look(obj.config, summary))
+    if as_json:
+        click.echo(json.dumps(summary.to_dict()))

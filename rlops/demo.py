@@ -1,0 +1,254 @@
+"""`rlops demo`: the whole loop on one machine, each stage through the same code paths users run.
+
+stack up -> base model + datasets -> GRPO + LoRA training tracked in MLflow (best checkpoint registered)
+-> staging via the webhook path (a plain MLflow client moves the alias) -> production via `promote`
+-> the Ray Serve endpoint answers a maze image through the official openai client.
+Everything it starts is recorded in the data dir, so `rlops down` stops it; a re-run reuses what exists.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+
+from rlops import processes, stack
+from rlops.config import Config
+from rlops.layout import parse_s3_uri, routes_key
+
+HOOKS_SECRET_FILE = "hooks-secret"
+SERVE_READY_TIMEOUT_S = 300.0
+FAST_STEPS = 6
+WEBHOOK_CACHE_TTL_S = 2.5  # MLFLOW_WEBHOOK_CACHE_TTL of the embedded stack (rlops/stack.py) + margin
+
+
+class DemoError(RuntimeError):
+    """A stage failed; the message says which and where its log is."""
+
+
+@dataclass
+class DemoSummary:
+    stages: dict[str, float] = field(default_factory=dict)  # stage -> seconds
+    run_id: str = ""
+    version: str | None = None
+    solve_rate_before: float | None = None
+    solve_rate_after: float | None = None
+    served_version: str | None = None
+    answer: str = ""
+    solved: bool | None = None
+    urls: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Progress:
+    """Prints one line per stage start and end, and records its duration."""
+
+    def __init__(self, total: int, summary: DemoSummary, echo: Callable[[str], None]):
+        self.total, self.summary, self.echo, self.index = total, summary, echo, 0
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        self.index += 1
+        self.echo(f"[{self.index}/{self.total}] {name} ...")
+        started = time.monotonic()
+        try:
+            yield
+        except Exception:
+            self.echo(f"[{self.index}/{self.total}] {name} FAILED after {time.monotonic() - started:.1f} s")
+            raise
+        seconds = time.monotonic() - started
+        self.summary.stages[name] = round(seconds, 1)
+        self.echo(f"[{self.index}/{self.total}] {name}: done in {seconds:.1f} s")
+
+
+def _child_env(config: Config, config_path: str | None, extra: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"RLOPS_DATA_DIR": str(config.data_path), "HF_HUB_OFFLINE": "1", **extra})
+    if config_path:
+        env["RLOPS_CONFIG"] = str(Path(config_path).resolve())
+    return env
+
+
+def _start_cli(config: Config, name: str, args: list[str], env: dict[str, str]) -> processes.ProcessRecord:
+    return processes.start(config.data_path, name, [sys.executable, "-m", "rlops", *args], env)
+
+
+def _wait(what: str, check: Callable[[], bool], timeout_s: float, record: processes.ProcessRecord | None = None) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if record is not None and record.process() is None:
+            raise DemoError(f"{what}: the process exited; its log:\n{processes.log_tail(record, 25)}")
+        try:
+            if check():
+                return time.monotonic() - started
+        except DemoError:
+            raise
+        except Exception:  # noqa: BLE001 - a failing probe means "not yet"
+            pass
+        time.sleep(0.25)
+    log = f"; see {record.log}" if record is not None else ""
+    raise DemoError(f"{what}: not ready after {timeout_s:.0f} s{log}")
+
+
+def _served_version(config: Config, model: str, alias: str, version: int) -> bool:
+    """True once the manifest serves `version` under `alias`; a recorded refusal of it is an error."""
+    location = parse_s3_uri(config.lora_path)
+    body = stack.s3_client(config).get_object(Bucket=location.bucket, Key=routes_key(location, model))["Body"].read()
+    manifest = json.loads(body)
+    refused = manifest.get("refused", {}).get(alias)
+    if refused and refused["version"] == version:
+        raise DemoError(f"promotion of v{version} to {alias} was refused: {refused['reason']}")
+    route = manifest.get("aliases", {}).get(alias)
+    return bool(route) and route["version"] == version
+
+
+def _hooks_secret(config: Config) -> str:
+    if config.hooks.secret:
+        return config.hooks.secret
+    path = config.data_path / HOOKS_SECRET_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(32))
+    return path.read_text().strip()
+
+
+def _endpoint_ready(base_url: str, wanted: str) -> bool:
+    response = httpx.get(f"{base_url}/models", timeout=5)
+    return response.status_code == 200 and wanted in {m["id"] for m in response.json()["data"]}
+
+
+def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
+             echo: Callable[[str], None] = print) -> DemoSummary:
+    """Run every stage; raise DemoError naming the failed stage. Leaves the stack, hooks and serving up."""
+    from mlflow import MlflowClient
+
+    from registry_hooks import Refused
+    from registry_hooks.operations import promote
+    from registry_hooks.service import register_webhook
+    from training import datasets as ds
+    from training import local_trainer
+    from training.maze import render, walk_answer
+    from training.skyrl_env import image_data_url
+
+    summary = DemoSummary()
+    progress = Progress(6, summary, echo)
+    model = config.registered_model
+    base_url = f"http://{config.serving.host}:{config.serving.port}/v1"
+    summary.urls = {"mlflow_ui": config.tracking_uri, "endpoint": base_url, "s3": config.storage.endpoint_url or ""}
+
+    with progress.stage("stack: MLflow server + S3"):
+        if stack.mlflow_healthy(config.tracking_uri) and stack.s3_healthy(config):
+            stack.ensure_bucket(config)
+            echo(f"    reusing the running stack at {config.tracking_uri}")
+        else:
+            stack.up(config)
+
+    with progress.stage("base model and datasets" + (" (tiny base, no SFT)" if fast else " (SFT warm start, cached)")):
+        base = local_trainer.ensure_tiny_init(config) if fast else local_trainer.ensure_base(config, log=echo)
+        ds.build_datasets(config.data_path / "datasets")
+        echo(f"    base model: {base}")
+
+    with progress.stage("GRPO + LoRA training, tracked in MLflow"):
+        run_dir = config.data_path / "runs" / time.strftime("%Y%m%d-%H%M%S")
+        result = local_trainer.train(config, run_dir, fast=fast, steps=FAST_STEPS if fast else None,
+                                     log=lambda line: echo(f"    {line}"))
+        summary.run_id, summary.version = result.run_id, result.registered_version
+        summary.solve_rate_before, summary.solve_rate_after = result.before, result.after
+        echo(f"    run {result.run_id}: {result.steps} steps, {result.eval_data_source} solve rate "
+             f"{result.before} -> {result.after}; registered {model} v{result.registered_version}")
+        if result.registered_version is None:
+            raise DemoError("training registered no checkpoint (no eval ran); nothing to promote")
+    version = int(result.registered_version)
+    # Promotion checks adapters against the served base, and serving loads it: both use the trained-on base.
+    config = config.model_copy(update={"serving": config.serving.model_copy(update={"model_source": str(base)})})
+    base_env = {"RLOPS_SERVING__MODEL_SOURCE": str(base)}
+
+    with progress.stage("promotion: staging via webhook, production via promote"):
+        secret = _hooks_secret(config)
+        hooks_config = config.model_copy(update={"hooks": config.hooks.model_copy(update={"secret": secret})})
+        hooks_url = f"http://{config.hooks.host}:{config.hooks.port}"
+        processes.stop(config.data_path, "hooks")  # restart: it must check adapters against this run's base
+        record = _start_cli(config, "hooks", ["hooks", "serve"],
+                            _child_env(config, config_path, {**base_env, "RLOPS_HOOKS__SECRET": secret}))
+        _wait("webhook receiver", lambda: _probe(f"{hooks_url}/healthz"), 60, record)
+        register_webhook(hooks_config)
+        time.sleep(WEBHOOK_CACHE_TTL_S)  # the server caches its webhook list; a fresh one is seen after the TTL
+        started = time.monotonic()
+        MlflowClient(config.tracking_uri).set_registered_model_alias(model, "staging", str(version))
+        _wait("staging published by the webhook/reconciler", lambda: _served_version(config, model, "staging", version), 90)
+        echo(f"    webhook path: plain MlflowClient set {model}@staging -> v{version}; "
+             f"manifest published {time.monotonic() - started:.1f} s later")
+        try:
+            report = promote(config, model, to_alias="production", from_alias="staging", trigger="demo")
+            echo(f"    promote {model} --from staging --to production: serving v{report.served.get('production')}")
+        except Refused as exc:
+            echo(f"    promote refused (guardrail): {exc}")
+
+    with progress.stage("serving: Ray Serve LLM endpoint on the CPU engine"):
+        record = processes.read_record(config.data_path, "serve")
+        if record is None or record.process() is None:
+            if _probe(f"{base_url}/models"):
+                echo(f"    reusing the endpoint already running at {base_url}")
+            else:
+                record = _start_cli(config, "serve", ["serve"], _child_env(config, config_path, base_env))
+        wanted = f"{config.serving.base_model_id}:{model}"
+        waited = _wait("endpoint", lambda: _endpoint_ready(base_url, wanted), SERVE_READY_TIMEOUT_S,
+                       record if record is not None and record.process() is not None else None)
+        echo(f"    {base_url} lists {wanted} ({waited:.0f} s)")
+
+    with progress.stage("answer a maze through the openai client"):
+        from openai import OpenAI
+
+        maze = ds.local_eval_set(config.training.local.eval_size).mazes()[0]
+        client = OpenAI(base_url=base_url, api_key=os.environ.get("RLOPS_DEMO_API_KEY", "none"))
+        raw = client.chat.completions.with_raw_response.create(
+            model=f"{config.serving.base_model_id}:{model}", temperature=0,
+            max_tokens=config.training.local.max_completion_tokens,
+            messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": image_data_url(render(maze))}},
+                {"type": "text", "text": ds.LOCAL_PROMPT}]}],
+        )
+        completion = raw.parse()
+        summary.answer = completion.choices[0].message.content or ""
+        summary.served_version = raw.headers.get("x-rlops-model-version")
+        summary.solved = walk_answer(maze, summary.answer).solved
+        echo(f"    model {completion.model} (x-rlops-model-version: {summary.served_version}) answered "
+             f"{summary.answer!r}: {'solves' if summary.solved else 'does not solve'} maze seed {maze.seed}")
+    return summary
+
+
+def _probe(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=3).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def where_to_look(config: Config, summary: DemoSummary) -> str:
+    model = config.registered_model
+    name = f"{config.serving.base_model_id}:{model}"
+    base_url = summary.urls["endpoint"]
+    return f"""
+Where to look
+  MLflow UI            {config.tracking_uri}
+    runs to compare:   Experiments > {config.tracking.experiment} (select runs > Compare)
+    solve-rate chart:  run {summary.run_id} > Model metrics > eval/.../avg_score
+    registry:          Models > {model} (aliases production, staging, candidate)
+  Endpoint             {base_url}  (model "{name}", or "{name}@staging", "{name}@v<N>")
+    curl {base_url}/chat/completions -H 'Content-Type: application/json' \\
+      -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "{'hello'}"}}], "max_tokens": 8}}'
+    python: OpenAI(base_url="{base_url}", api_key="none").chat.completions.create(model="{name}", messages=[...])
+  Stage times          {", ".join(f"{k.split(':')[0]} {v:.0f}s" for k, v in summary.stages.items())}
+  Stop everything      rlops down
+"""

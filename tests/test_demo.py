@@ -1,0 +1,80 @@
+"""End to end: `rlops demo --fast` from a clean data dir, checked from outside (MLflow, boto3, openai)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from mlflow import MlflowClient
+
+from rlops.layout import parse_s3_uri, routes_key, version_folder
+from rlops.processes import free_port
+
+from conftest import write_config
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_fast_runs_the_whole_loop(stack, tmp_path, unique_name):
+    model = f"demo-{unique_name}"
+    data_dir = tmp_path / "data"
+    serving_port, hooks_port = free_port(), free_port()
+    path = write_config(tmp_path / "mlflow.yaml", {
+        "data_dir": str(data_dir),
+        "tracking": {"experiment": f"demo-{unique_name}"},
+        "server": {"port": stack.config.server.port},
+        "storage": {"endpoint_url": stack.config.storage.endpoint_url, "bucket": stack.config.storage.bucket},
+        "registry": {"models": [model]},
+        "serving": {"port": serving_port, "dynamic_lora_loading_path": f"s3://{stack.config.storage.bucket}/lora-{unique_name}"},
+        "hooks": {"port": hooks_port},
+    })
+    env = stack.env
+    env.update({"RLOPS_CONFIG": str(path), "HF_HUB_OFFLINE": "1"})
+    env.pop("RLOPS_DATA_DIR", None)
+    started = time.monotonic()
+    try:
+        out = subprocess.run([sys.executable, "-m", "rlops", "demo", "--fast", "--json"], env=env,
+                             capture_output=True, text=True, timeout=600)
+        elapsed = time.monotonic() - started
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        summary = json.loads(out.stdout.strip().splitlines()[-1])
+        assert "Where to look" in out.stdout and "rlops down" in out.stdout
+
+        client = MlflowClient(stack.tracking_uri)
+        run = client.get_run(summary["run_id"])
+        assert run.info.status == "FINISHED"
+        assert any(k.startswith("eval/") and k.endswith("/avg_score") for k in run.data.metrics)
+        checkpoints = client.search_logged_models(experiment_ids=[run.info.experiment_id],
+                                                  filter_string=f"source_run_id='{run.info.run_id}'")
+        assert checkpoints, "no LoRA checkpoint was logged as a LoggedModel"
+
+        production = client.get_model_version_by_alias(model, "production")
+        staging = client.get_model_version_by_alias(model, "staging")
+        assert production.version == staging.version == summary["version"]
+
+        location = parse_s3_uri(f"s3://{stack.config.storage.bucket}/lora-{unique_name}")
+        s3 = stack.s3()
+        manifest = json.loads(s3.get_object(Bucket=location.bucket, Key=routes_key(location, model))["Body"].read())
+        assert manifest["aliases"]["production"]["version"] == int(production.version)
+        folder = location.key(version_folder(model, int(production.version)))
+        keys = {o["Key"].rsplit("/", 1)[-1] for o in s3.list_objects_v2(Bucket=location.bucket, Prefix=folder + "/")["Contents"]}
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= keys
+
+        from openai import OpenAI
+
+        openai_client = OpenAI(base_url=f"http://127.0.0.1:{serving_port}/v1", api_key="none")
+        raw = openai_client.chat.completions.with_raw_response.create(
+            model=f"visgym-qwen3vl:{model}", messages=[{"role": "user", "content": "right"}], max_tokens=4, temperature=0)
+        assert raw.http_response.status_code == 200
+        assert raw.headers["x-rlops-model-version"] == production.version
+        assert raw.parse().model == f"visgym-qwen3vl:{model}"
+        assert summary["served_version"] == production.version
+        print(f"rlops demo --fast took {elapsed:.0f} s; stages: {summary['stages']}")
+    finally:
+        down = subprocess.run([sys.executable, "-m", "rlops", "down"], env=env, capture_output=True, text=True, timeout=120)
+        assert down.returncode == 0, down.stderr
+    # The session stack was reused, not started by the demo's data dir: it must still be up.
+    assert MlflowClient(stack.tracking_uri).search_experiments(max_results=1) is not None
