@@ -76,6 +76,9 @@ def status(obj: CliContext) -> None:
 
 from rlops.commands.data import data_group  # noqa: E402
 main.add_command(data_group)
+from rlops.commands.train import base_group, train  # noqa: E402
+main.add_command(base_group)
+main.add_command(train)
 from rlops.commands.serve import serve_command  # noqa: E402
 main.add_command(serve_command)
 from rlops.commands.hooks import hooks_group  # noqa: E402

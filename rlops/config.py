@@ -161,13 +161,13 @@ class LocalTrainingConfig(_Section):
     ckpt_interval: int = Field(25, ge=1)
     num_generations: int = Field(8, ge=2)
     prompts_per_step: int = Field(4, ge=1)
-    learning_rate: float = Field(1e-3, gt=0)
+    learning_rate: float = Field(1e-4, gt=0)
     beta: float = Field(0.0, ge=0, description="KL coefficient against the base")
     temperature: float = Field(1.0, gt=0)
     lora_rank: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)
     max_completion_tokens: int = Field(20, ge=2)
-    sft_steps: int = Field(400, ge=0)
+    sft_steps: int = Field(1200, ge=0)
     sft_learning_rate: float = Field(3e-3, gt=0)
     seed: int = 0
 

@@ -1,0 +1,63 @@
+"""`rlops base build` and `rlops train --local`: the local CPU trainer (training.local_trainer)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from rlops.cli import CliContext, pass_ctx
+
+
+@click.group("base")
+def base_group() -> None:
+    """The local trainer's base model."""
+
+
+@base_group.command("build")
+@pass_ctx
+def base_build(obj: CliContext) -> None:
+    """Build the tiny offline Qwen3-VL and SFT-warm-start it on BFS-optimal answers (cached in the data
+    dir; a set `training.local.base_model` is only checked against this machine)."""
+    from training.local_trainer import TrainingError, ensure_base
+
+    try:
+        path = ensure_base(obj.config, log=click.echo)
+    except TrainingError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"base model: {path}")
+
+
+@click.command("train")
+@click.option("--local", "local", is_flag=True, help="Train on this machine (TRL GRPO + LoRA on CPU).")
+@click.option("--steps", type=click.IntRange(1, 1_000_000), default=None, help="GRPO steps (default: training.local.steps).")
+@click.option("--budget", "budget_s", type=click.FloatRange(min=1.0), default=None,
+              help="Time budget in seconds for GRPO (default: training.local.budget_s).")
+@click.option("--run-dir", type=click.Path(file_okay=False), default=None,
+              help="Checkpoint/output folder; reusing one resumes its MLflow run (default: <data_dir>/runs/local).")
+@click.option("--fast", is_flag=True, help="Skip SFT: random-init tiny base (smoke tests).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@pass_ctx
+def train(obj: CliContext, local: bool, steps: int | None, budget_s: float | None, run_dir: str | None,
+          fast: bool, as_json: bool) -> None:
+    """Train a LoRA adapter with GRPO on the maze task and register the best checkpoint (alias `candidate`)."""
+    if not local:
+        raise click.ClickException(
+            "the production job runs on a Ray cluster: submit it with `bash training/train_job.sh` "
+            "(see its header); use `rlops train --local` to train on this machine")
+    from training.local_trainer import TrainingError
+    from training.local_trainer import train as run_training
+
+    folder = Path(run_dir) if run_dir else obj.config.data_path / "runs" / "local"
+    try:
+        result = run_training(obj.config, folder, budget_s=budget_s, steps=steps, fast=fast, log=click.echo)
+    except TrainingError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    curve = ", ".join(f"{step}: {rate:.3f}" for step, rate in result.curve)
+    click.echo(f"run {result.run_id}: {result.steps} GRPO steps in {result.seconds:.0f} s "
+               f"({result.seconds_per_step:.2f} s/step)")
+    click.echo(f"eval {result.eval_data_source} solve rate by step: {curve}")
+    click.echo(f"registered version: {result.registered_version or '(none: no checkpoint was evaluated)'}")

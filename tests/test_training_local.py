@@ -1,0 +1,101 @@
+"""The local CPU trainer: pure parts (reward shaping, intervals, machine check) and a real GRPO run on the
+tiny random-init model whose metrics, checkpoints, eval and registration land in the real MLflow server."""
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from rlops.cli import main
+from training import datasets as ds
+from training.local_trainer import (
+    TrainingError, check_fits_machine, completion_text, estimate_parameters, maze_reward, shaped_reward,
+    solved_reward, train, wilson_interval,
+)
+from training.maze import answer_text, generate_maze, move, solve, walk_answer
+
+
+def test_shaped_reward_orders_answers_by_quality():
+    maze = generate_maze(4, 7)
+    path = solve(maze)
+    blocked = next(d for d in range(4) if move(maze, maze.start, d) is None)
+    answers = {
+        "solved": answer_text(path),
+        "at_goal_no_stop": " ".join(answer_text(path).split()[:-1]),
+        "halfway": answer_text(path[: len(path) // 2]),
+        "bump": answer_text([blocked]),
+        "junk": "banana",
+    }
+    score = {k: shaped_reward(walk_answer(maze, a)) for k, a in answers.items()}
+    assert score["solved"] == 1.0
+    assert score["solved"] > score["at_goal_no_stop"] > score["halfway"] > score["bump"] >= score["junk"] == 0.0
+    past = walk_answer(maze, answer_text(path + [path[-1] ^ 2, (path[-1] ^ 2) ^ 2]))  # step off and back
+    assert past.solved and shaped_reward(past) < 1.0
+
+
+def test_trl_reward_functions_read_the_layout_column():
+    maze = generate_maze(9, 7)
+    layout = ds.json.dumps(maze.layout(), sort_keys=True)
+    completions = [[{"role": "assistant", "content": answer_text(solve(maze))}], [{"role": "assistant", "content": "up"}]]
+    assert maze_reward([None, None], completions, layout=[layout, layout])[0] == 1.0
+    assert solved_reward([None, None], completions, layout=[layout, layout]) == [1.0, 0.0]
+    assert completion_text([{"role": "assistant", "content": [{"type": "text", "text": "left stop"}]}]) == "left stop"
+
+
+def test_wilson_interval_brackets_the_rate():
+    low, high = wilson_interval(32, 64)
+    assert low < 0.5 < high and high - low == pytest.approx(0.24, abs=0.02)
+    assert wilson_interval(0, 64)[0] == 0.0 and wilson_interval(64, 64)[1] == 1.0
+
+
+def test_too_large_base_is_refused_before_loading():
+    assert estimate_parameters("Qwen/Qwen3-VL-8B-Instruct") == 8_000_000_000
+    assert estimate_parameters("some/model") is None
+    with pytest.raises(TrainingError, match=r"Qwen3-VL-8B-Instruct.*GiB.*train_job.sh"):
+        check_fits_machine("Qwen/Qwen3-VL-8B-Instruct", available_bytes=16 * 2**30)
+    check_fits_machine("Qwen/Qwen3-VL-2B-Instruct", available_bytes=64 * 2**30)
+
+
+def test_cli_train_validates_before_training():
+    runner = CliRunner()
+    no_local = runner.invoke(main, ["train"])
+    assert no_local.exit_code != 0 and "train_job.sh" in no_local.output
+    bad_steps = runner.invoke(main, ["train", "--local", "--steps", "0"])
+    assert bad_steps.exit_code != 0 and "--steps" in bad_steps.output
+    too_big = runner.invoke(main, ["base", "build"], env={"RLOPS_TRAINING__LOCAL__BASE_MODEL": "Qwen/Qwen3-VL-235B-A22B"})
+    assert too_big.exit_code != 0 and "GiB" in too_big.output
+
+
+def test_local_grpo_run_lands_in_mlflow(test_config, mlflow_client, tmp_path):
+    config = test_config
+    local = config.training.local
+    local.num_generations, local.prompts_per_step = 4, 2
+    local.ckpt_interval = local.eval_interval = 2
+    local.max_completion_tokens = 8
+    result = train(config, tmp_path / "run", steps=4, budget_s=600, fast=True, log=lambda _: None)
+
+    assert result.steps == 4 and [s for s, _ in result.curve] == [0, 2, 4]
+    assert result.before == result.curve[0][1] and 0.0 <= result.after <= 1.0
+    run = mlflow_client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    source = ds.local_eval_set(local.eval_size).data_source
+    assert run.data.params["eval_layout_sha256"] == ds.layout_digest(ds.local_eval_set(local.eval_size).mazes())
+    rewards = mlflow_client.get_metric_history(result.run_id, "reward/avg_raw_reward")
+    assert sorted(m.step for m in rewards) == [1, 2, 3, 4]
+    evals = mlflow_client.get_metric_history(result.run_id, f"eval/{source}/avg_score")
+    assert sorted(m.step for m in evals) == [0, 2, 4]
+    assert {m.step: m.value for m in evals}[4] == pytest.approx(result.after)
+
+    models = mlflow_client.search_logged_models(experiment_ids=[run.info.experiment_id],
+                                                filter_string=f"source_run_id = '{result.run_id}'")
+    steps = sorted(int(m.tags["rlops.step"]) for m in models)
+    assert steps == [2, 4]
+    for model in models:
+        assert model.tags["rlops.lora_rank"] == str(local.lora_rank)
+        assert model.tags["rlops.base_model"].endswith("tiny-init")
+        files = {a.path for a in mlflow_client.list_logged_model_artifacts(model.model_id)}
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= files
+
+    assert result.registered_version is not None
+    version = mlflow_client.get_model_version(config.registered_model, result.registered_version)
+    assert version.tags["rlops.metric_key"] == f"eval/{source}/avg_score"
+    assert mlflow_client.get_model_version_by_alias(config.registered_model, "candidate").version == version.version

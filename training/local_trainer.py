@@ -1,0 +1,421 @@
+"""The local CPU trainer: SFT warm start (cached in the data dir), then TRL GRPO + LoRA on the maze task,
+tracked by `tracker.RunSession`, evaluated on the fixed local eval set, best checkpoint registered.
+
+Single-turn variant: the model sees the maze image once and answers the whole path as words
+(`right right down stop`); the answer is walked from the start (`training.maze.walk_answer`). The
+production SkyRL job is multi-turn (one action per turn); both score the same unshaped task reward.
+
+Entry point for the CLI, the demo and the bench: `train(config, run_dir, budget_s=..., steps=..., fast=...)`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from transformers import TrainerCallback
+
+from rlops.config import Config
+from training import datasets as ds
+from training.maze import Maze, WalkResult, answer_text, render, solve, walk_answer
+
+TINY_INIT_DIR = "tiny-init"
+SFT_MARKER = "rlops-sft.json"
+# LoRA on the language model only: the vision tower stays as the base trained it.
+# An explicit list, not a regex: promotion checks the adapter's target modules against the served base.
+# In Qwen3-VL these names exist only in the language model (the vision tower uses qkv/proj/linear_fc*).
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# CPU training keeps fp32 weights, grads of the LoRA part and activations: a rough bytes-per-parameter
+# bound used to refuse models that cannot fit before anything is loaded.
+CPU_BYTES_PER_PARAM = 6
+
+
+class TrainingError(RuntimeError):
+    """A training request that cannot run, with a message saying why and what to do instead."""
+
+
+# ------------------------------------------------------------------------------------------- prompts
+
+
+def prompt_messages(answer: str | None = None) -> list[dict]:
+    """The single-turn conversation: image + instruction (+ the answer, for SFT)."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ds.LOCAL_PROMPT}]}]
+    if answer is not None:
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+    return messages
+
+
+def maze_image(maze: Maze):
+    from PIL import Image
+
+    return Image.fromarray(render(maze))
+
+
+# ------------------------------------------------------------------------------------------- rewards
+
+
+def shaped_reward(result: WalkResult) -> float:
+    """GRPO's training reward. Solving pays 1.0; otherwise partial credit for getting closer (BFS distance)
+    and for ending the answer with `stop`, minus a little per move past the target: without that
+    penalty the policy learnt to stop ending its answers (seen here). Eval uses `result.solved` only."""
+    if result.solved:
+        return 1.0 - 0.05 * result.moves_past_goal
+    progress = max(0.0, (result.start_distance - result.final_distance) / max(1, result.start_distance))
+    return 0.5 * progress + (0.1 if result.stopped else 0.0) - 0.05 * result.moves_past_goal
+
+
+def completion_text(completion: Any) -> str:
+    """TRL passes conversational completions as message lists, plain ones as strings."""
+    if isinstance(completion, str):
+        return completion
+    return " ".join(m["content"] if isinstance(m.get("content"), str)
+                    else " ".join(p.get("text", "") for p in m.get("content") or []) for m in completion)
+
+
+def maze_reward(prompts: list, completions: list, layout: list[str], **_: Any) -> list[float]:
+    """TRL reward function; `layout` is the dataset column naming each prompt's maze."""
+    return [shaped_reward(walk_answer(ds.maze_from_layout(lay), completion_text(c)))
+            for c, lay in zip(completions, layout)]
+
+
+def solved_reward(prompts: list, completions: list, layout: list[str], **_: Any) -> list[float]:
+    """The unshaped task reward, logged beside the shaped one (weight 0)."""
+    return [float(walk_answer(ds.maze_from_layout(lay), completion_text(c)).solved)
+            for c, lay in zip(completions, layout)]
+
+
+# ---------------------------------------------------------------------------------------------- eval
+
+
+@dataclass
+class EvalResult:
+    data_source: str
+    solve_rate: float
+    ci95: tuple[float, float]
+    rows: list[dict]
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def generate_answers(model, processor, mazes: list[Maze], max_new_tokens: int, batch_size: int = 64) -> list[str]:
+    """Greedy answers for `mazes` (left-padded batches)."""
+    import torch
+
+    tokenizer = processor.tokenizer
+    previous_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    prompt = processor.apply_chat_template(prompt_messages(), tokenize=False, add_generation_prompt=True)
+    answers: list[str] = []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for i in range(0, len(mazes), batch_size):
+                chunk = mazes[i:i + batch_size]
+                batch = processor(text=[prompt] * len(chunk), images=[maze_image(m) for m in chunk],
+                                  padding=True, return_tensors="pt")
+                out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id)
+                answers += processor.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = previous_side
+        model.train(was_training)
+    return answers
+
+
+def evaluate(model, processor, maze_set: ds.MazeSet, max_new_tokens: int) -> EvalResult:
+    """Greedy solve rate (unshaped task reward) on a named maze set, with per-maze rows."""
+    mazes = maze_set.mazes()
+    walks = [walk_answer(m, a) for m, a in zip(mazes, generate_answers(model, processor, mazes, max_new_tokens))]
+    rows = [{"seed": m.seed, "solved": w.solved, "steps": w.steps, "final_distance": w.final_distance}
+            for m, w in zip(mazes, walks)]
+    solved = sum(w.solved for w in walks)
+    return EvalResult(maze_set.data_source, solved / len(mazes), wilson_interval(solved, len(mazes)), rows)
+
+
+# ---------------------------------------------------------------------------------------------- base
+
+
+def estimate_parameters(model_source: str) -> int | None:
+    """Parameter count from a local folder's safetensors sizes, or from an `-8B`-style name; None if unknown."""
+    path = Path(model_source)
+    if path.is_dir():
+        weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        return weights // 2 if weights else None  # checkpoints are published in 16-bit
+    match = re.search(r"(\d+(?:\.\d+)?)\s*[bB](?![a-zA-Z])", model_source.rsplit("/", 1)[-1])
+    return int(float(match.group(1)) * 1e9) if match else None
+
+
+def check_fits_machine(model_source: str, available_bytes: int | None = None) -> None:
+    """Refuse, before loading, a base model too large for CPU training on this machine."""
+    import psutil
+
+    params = estimate_parameters(model_source)
+    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    if params is not None and params * CPU_BYTES_PER_PARAM > available:
+        need = params * CPU_BYTES_PER_PARAM / 2**30
+        raise TrainingError(
+            f"base model {model_source} (~{params / 1e9:.1f}B parameters) needs ~{need:.0f} GiB for CPU "
+            f"training; this machine has {available / 2**30:.1f} GiB available. Run the SkyRL job on a GPU "
+            f"cluster instead (training/train_job.sh), or use the tiny offline base (training.local.base_model unset)."
+        )
+
+
+def tiny_init_dir(config: Config) -> Path:
+    return config.data_path / "models" / TINY_INIT_DIR
+
+
+def sft_base_dir(config: Config) -> Path:
+    """Where the SFT warm-started tiny base lives: serving's default base (`config.base_model_source`)."""
+    return config.data_path / "models" / "base"
+
+
+def _sft_settings(config: Config) -> dict:
+    local = config.training.local
+    return {"steps": local.sft_steps, "learning_rate": local.sft_learning_rate, "seed": local.seed,
+            "maze_sizes": local.maze_sizes, "eval_size": local.eval_size}
+
+
+def ensure_tiny_init(config: Config) -> Path:
+    from training.tiny_vlm import build_tiny_vlm
+
+    path = tiny_init_dir(config)
+    if not (path / "config.json").is_file():
+        build_tiny_vlm(path, seed=config.training.local.seed)
+    return path
+
+
+def ensure_base(config: Config, *, log: Callable[[str], None] = print) -> Path:
+    """The local trainer's base: `training.local.base_model` if set (checked against this machine), else
+    the tiny model SFT-warm-started on BFS-optimal answers, built once and cached in the data dir (the
+    marker file records the SFT settings; other settings rebuild it)."""
+    local = config.training.local
+    if local.base_model:
+        check_fits_machine(local.base_model)
+        return Path(local.base_model) if Path(local.base_model).is_dir() else Path(local.base_model)
+    out = sft_base_dir(config)
+    marker = out / SFT_MARKER
+    settings = _sft_settings(config)
+    if marker.is_file() and json.loads(marker.read_text()).get("settings") == settings:
+        return out
+    init = ensure_tiny_init(config)
+    log(f"SFT warm start: {local.sft_steps} steps on BFS-optimal answers -> {out}")
+    report = sft(init, out, config)
+    marker.write_text(json.dumps({"settings": settings, **report}, indent=2) + "\n")
+    return out
+
+
+class _SftCollator:
+    """Batches (image, prompt, BFS answer) with the loss on the answer tokens only."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        self.prompt = processor.apply_chat_template(prompt_messages(), tokenize=False, add_generation_prompt=True)
+
+    def __call__(self, mazes: list[Maze]) -> dict:
+        processor = self.processor
+        processor.tokenizer.padding_side = "right"
+        images = [maze_image(m) for m in mazes]
+        texts = [processor.apply_chat_template(prompt_messages(answer_text(solve(m))), tokenize=False) for m in mazes]
+        batch = processor(text=texts, images=images, padding=True, return_tensors="pt")
+        prompt_len = len(processor(text=[self.prompt], images=images[:1])["input_ids"][0])
+        labels = batch["input_ids"].clone()
+        labels[:, :prompt_len] = -100  # every prompt has the same length: one image of a fixed size
+        labels[batch["attention_mask"] == 0] = -100
+        batch["labels"] = labels
+        return batch
+
+
+def sft(init_dir: Path, out_dir: Path, config: Config) -> dict:
+    """Supervised warm start of the full tiny model on BFS-optimal answers (transformers `Trainer`)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, Trainer, TrainingArguments
+
+    from rlops.vlm import load_processor
+
+    local = config.training.local
+    processor = load_processor(init_dir)
+    model = AutoModelForImageTextToText.from_pretrained(str(init_dir), dtype=torch.float32)
+    mazes = ds.training_mazes(local.maze_sizes, max(64, local.sft_steps * 16 // 3),
+                              exclude=[ds.local_eval_set(local.eval_size), ds.heldout_set(local.eval_size)])
+    work = Path(out_dir).with_name(Path(out_dir).name + ".sft-work")
+    args = TrainingArguments(
+        output_dir=str(work), max_steps=max(1, local.sft_steps), per_device_train_batch_size=16,
+        learning_rate=local.sft_learning_rate, lr_scheduler_type="cosine", warmup_steps=min(20, local.sft_steps // 10),
+        weight_decay=0.0, logging_steps=50, save_strategy="no", report_to="none", use_cpu=True,
+        remove_unused_columns=False, dataloader_num_workers=0, seed=local.seed,
+    )
+    started = time.monotonic()
+    if local.sft_steps > 0:
+        Trainer(model=model, args=args, train_dataset=mazes, data_collator=_SftCollator(processor)).train()
+    seconds = time.monotonic() - started
+    solve_rate = evaluate(model, processor, ds.local_eval_set(local.eval_size), local.max_completion_tokens).solve_rate
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))
+    processor.save_pretrained(str(out_dir))
+    return {"sft_seconds": round(seconds, 1), "eval_solve_rate": solve_rate}
+
+
+# ---------------------------------------------------------------------------------------------- GRPO
+
+
+@dataclass
+class TrainResult:
+    run_id: str
+    base_model: str
+    steps: int
+    seconds: float
+    seconds_per_step: float
+    eval_data_source: str
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (step, fixed-eval solve rate)
+    before: float | None = None
+    after: float | None = None
+    registered_version: str | None = None
+    adapter_dir: Path | None = None  # the last checkpoint's adapter folder
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["adapter_dir"] = str(self.adapter_dir) if self.adapter_dir else None
+        return data
+
+
+def _grpo_dataset(config: Config):
+    from datasets import Dataset
+
+    local = config.training.local
+    mazes = ds.training_mazes(local.maze_sizes, 2048,
+                              exclude=[ds.local_eval_set(local.eval_size), ds.heldout_set(local.eval_size)])
+    rows = [{"prompt": [{"role": "user", "content": ds.LOCAL_PROMPT}], "image": maze_image(m),
+             "layout": json.dumps(m.layout(), sort_keys=True)} for m in mazes]
+    return Dataset.from_list(rows)
+
+
+def _run_config(config: Config, base_model: str) -> Config:
+    """The config the run records: this run's base and LoRA rank (tags on every checkpoint)."""
+    run_config = config.model_copy(deep=True)
+    run_config.training.base_model = base_model
+    run_config.training.lora_rank = config.training.local.lora_rank
+    return run_config
+
+
+class FixedEvalCallback(TrainerCallback):
+    """Evaluate on a fixed maze set at the start and after every checkpoint (so each score measures the
+    checkpoint of its step); `on_result(step, EvalResult)` records it."""
+
+    def __init__(self, processor, maze_set: ds.MazeSet, max_new_tokens: int,
+                 on_result: Callable[[int, EvalResult], None]):
+        self.processor, self.maze_set, self.max_new_tokens, self.on_result = processor, maze_set, max_new_tokens, on_result
+
+    def _eval(self, model, step: int) -> None:
+        self.on_result(step, evaluate(model, self.processor, self.maze_set, self.max_new_tokens))
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._eval(model, state.global_step)
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        self._eval(model, state.global_step)
+
+
+class BudgetCallback(TrainerCallback):
+    """Stop at the time budget or the last step, with a checkpoint either way."""
+
+    def __init__(self, budget_s: float):
+        self.budget_s = budget_s
+        self.started = time.monotonic()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if time.monotonic() - self.started >= self.budget_s or state.global_step >= state.max_steps:
+            control.should_training_stop = True
+            control.should_save = True
+
+
+def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callbacks: list, processor):
+    """TRL's GRPOTrainer for the maze: LoRA on the language model, the shaped reward for training and the
+    unshaped one logged beside it (weight 0), checkpoints every min(eval, ckpt) interval."""
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForImageTextToText
+    from trl import GRPOConfig, GRPOTrainer
+
+    local = config.training.local
+    torch.manual_seed(local.seed)
+    model = AutoModelForImageTextToText.from_pretrained(str(base), dtype=torch.float32)
+    args = GRPOConfig(
+        output_dir=str(run_dir), max_steps=steps, learning_rate=local.learning_rate, lr_scheduler_type="constant",
+        per_device_train_batch_size=local.num_generations * local.prompts_per_step,
+        num_generations=local.num_generations, max_completion_length=local.max_completion_tokens,
+        temperature=local.temperature, beta=local.beta, reward_weights=[1.0, 0.0],
+        use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", logging_steps=1,
+        save_strategy="steps", save_steps=min(local.ckpt_interval, local.eval_interval), save_only_model=True,
+        seed=local.seed, dataloader_num_workers=0, remove_unused_columns=False,
+    )
+    peft_config = LoraConfig(r=local.lora_rank, lora_alpha=local.lora_alpha, lora_dropout=0.0,
+                             target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    return GRPOTrainer(model=model, reward_funcs=[maze_reward, solved_reward], args=args,
+                       train_dataset=_grpo_dataset(config), processing_class=processor,
+                       peft_config=peft_config, callbacks=callbacks)
+
+
+def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps: int | None = None,
+          fast: bool = False, log: Callable[[str], None] = print) -> TrainResult:
+    """Run SFT (cached) if needed, GRPO + LoRA with the tracker, eval on the fixed set after each
+    checkpoint, and register the best checkpoint (alias `candidate`). `fast` skips SFT and uses the
+    random-init tiny base (tests). Returns the curve and the before/after solve rates."""
+    from rlops.vlm import load_processor
+    from tracker import RunSession
+    from tracker.hf import TrackerCallback
+
+    local = config.training.local
+    steps = local.steps if steps is None else steps
+    budget_s = local.budget_s if budget_s is None else budget_s
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise TrainingError(f"steps must be a positive integer, got {steps!r}")
+    if not isinstance(budget_s, (int, float)) or isinstance(budget_s, bool) or not budget_s > 0:
+        raise TrainingError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
+    base = ensure_tiny_init(config) if fast else ensure_base(config, log=log)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    params = {**local.model_dump(), "base_model": str(base), "fast": fast, "steps": steps, "budget_s": budget_s,
+              "eval_data_source": ds.local_eval_set(local.eval_size).data_source,
+              "eval_layout_sha256": ds.layout_digest(ds.local_eval_set(local.eval_size).mazes())}
+    result = TrainResult(run_id="", base_model=str(base), steps=0, seconds=0.0, seconds_per_step=0.0,
+                         eval_data_source=ds.local_eval_set(local.eval_size).data_source)
+    with RunSession.start(_run_config(config, str(base)), run_dir, params=params,
+                          tags={"rlops.trainer": "trl-grpo-local", "rlops.task": "maze_2d-single-turn"}) as session:
+        result.run_id = session.run_id
+        processor = load_processor(base)
+
+        def record(step: int, scored: EvalResult) -> None:
+            session.log_eval(scored.data_source, scored.solve_rate, scored.rows, step=step)
+            result.curve.append((step, scored.solve_rate))
+
+        callbacks = [TrackerCallback(session), BudgetCallback(budget_s),
+                     FixedEvalCallback(processor, ds.local_eval_set(local.eval_size), local.max_completion_tokens, record)]
+        trainer = grpo_trainer(config, base, run_dir, steps, callbacks, processor)
+        started = time.monotonic()
+        trainer.train()
+        result.seconds = round(time.monotonic() - started, 1)
+        result.steps = trainer.state.global_step
+        result.seconds_per_step = round(result.seconds / max(1, result.steps), 3)
+        version = session.register_best(result.eval_data_source)
+        result.registered_version = version.version if version is not None else None
+    if result.curve:
+        result.before, result.after = result.curve[0][1], result.curve[-1][1]
+    last = run_dir / f"checkpoint-{result.steps}"
+    result.adapter_dir = last if last.is_dir() else None
+    return result
