@@ -35,6 +35,7 @@ class FolderObject:
     name: str
     size: int
     last_modified: datetime
+    etag: str = ""
 
 
 def is_missing(exc: ClientError) -> bool:
@@ -48,7 +49,7 @@ def list_folder(client, bucket: str, prefix: str) -> dict[str, FolderObject]:
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=head):
         for obj in page.get("Contents", []):
             name = obj["Key"][len(head):]
-            found[name] = FolderObject(name, obj["Size"], obj["LastModified"])
+            found[name] = FolderObject(name, obj["Size"], obj["LastModified"], obj.get("ETag", ""))
     return found
 
 
@@ -77,15 +78,23 @@ def sha256_of(client, ref: ObjectRef) -> str:
     return digest.hexdigest()
 
 
-def server_side_copy(client, src: ObjectRef, dst: ObjectRef, size: int, progress: Progress | None = None) -> None:
-    """The bytes never leave the S3 server: one CopyObject, or UploadPartCopy parts above 5 GiB."""
+def is_plain_md5_etag(etag: str) -> bool:
+    """Single-part objects' ETag is the MD5 of their bytes; multipart ETags ('...-N') are not."""
+    value = etag.strip('"')
+    return len(value) == 32 and all(c in "0123456789abcdef" for c in value)
+
+
+def server_side_copy(client, src: ObjectRef, dst: ObjectRef, size: int, progress: Progress | None = None) -> str:
+    """The bytes never leave the S3 server: one CopyObject, or UploadPartCopy parts above 5 GiB.
+    Returns the new object's ETag ("" when the multipart path was used)."""
     source = {"Bucket": src.bucket, "Key": src.key}
-    if size < SINGLE_COPY_LIMIT:
-        client.copy_object(CopySource=source, Bucket=dst.bucket, Key=dst.key)
-        if progress is not None:
-            progress(size)
-    else:
+    if size >= SINGLE_COPY_LIMIT:
         client.copy(source, dst.bucket, dst.key, Config=SERVER_SIDE_COPY, Callback=progress)
+        return ""
+    response = client.copy_object(CopySource=source, Bucket=dst.bucket, Key=dst.key)
+    if progress is not None:
+        progress(size)
+    return response.get("CopyObjectResult", {}).get("ETag", "")
 
 
 def streaming_copy(src_client, src: ObjectRef, dst_client, dst: ObjectRef, progress: Progress | None = None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,6 +72,7 @@ class SyncReport:
     copy_mode: str | None = None
     bytes_copied: int = 0
     seconds: float = 0.0
+    seconds_to_publish: float | None = None  # sync start -> manifest PUT done (None: nothing published)
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -84,13 +86,16 @@ class SourceFiles(Protocol):
 
     def read(self, name: str) -> bytes: ...
     def read_range(self, name: str, start: int, length: int) -> bytes: ...
-    def copy_to(self, name: str, dst: storage.ObjectRef) -> None: ...
+
+    def copy_to(self, name: str, dst: storage.ObjectRef) -> str | None:
+        """Copy one file; return the copy's sha256 when the copy path itself proved it, else None."""
 
 
 class S3SourceFiles:
     def __init__(self, promoter: "Promoter", location: S3Location, mode: str):
         self.p, self.location, self.mode = promoter, location, mode
-        self.sizes = {n: o.size for n, o in storage.list_folder(promoter.source, location.bucket, location.prefix).items()}
+        self.objects = storage.list_folder(promoter.source, location.bucket, location.prefix)
+        self.sizes = {n: o.size for n, o in self.objects.items()}
 
     def _ref(self, name: str) -> storage.ObjectRef:
         return storage.ObjectRef(self.location.bucket, self.location.key(name))
@@ -101,11 +106,18 @@ class S3SourceFiles:
     def read_range(self, name: str, start: int, length: int) -> bytes:
         return storage.read_range(self.p.source, self._ref(name), start, length)
 
-    def copy_to(self, name: str, dst: storage.ObjectRef) -> None:
-        if self.mode == "server_side":
-            storage.server_side_copy(self.p.dest, self._ref(name), dst, self.sizes[name], self.p.on_bytes)
-        else:
+    def copy_to(self, name: str, dst: storage.ObjectRef) -> str | None:
+        if self.mode != "server_side":
             storage.streaming_copy(self.p.source, self._ref(name), self.p.dest, dst, self.p.on_bytes)
+            return None
+        # Hash the source while the server copies it; the copy is proven byte-identical by the server's
+        # MD5 ETag (single-part objects), so nothing has to be read back. Otherwise the caller reads it back.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            source_sha256 = pool.submit(storage.sha256_of, self.p.source, self._ref(name))
+            copied_etag = storage.server_side_copy(self.p.dest, self._ref(name), dst, self.sizes[name], self.p.on_bytes)
+            digest = source_sha256.result()
+        source_etag = self.objects[name].etag
+        return digest if storage.is_plain_md5_etag(source_etag) and copied_etag == source_etag else None
 
 
 class DownloadedFiles:
@@ -123,8 +135,9 @@ class DownloadedFiles:
             fh.seek(start)
             return fh.read(length)
 
-    def copy_to(self, name: str, dst: storage.ObjectRef) -> None:
+    def copy_to(self, name: str, dst: storage.ObjectRef) -> str | None:
         storage.upload_file(self.p.dest, str(self.root / name), dst, self.p.on_bytes)
+        return None
 
 
 def adapter_policy(config: Config) -> AdapterPolicy:
@@ -217,8 +230,8 @@ class Promoter:
             return route
         for name in copy_order(checksums):
             dst = storage.ObjectRef(self.location.bucket, f"{prefix}/{name}")
-            files.copy_to(name, dst)
-            if storage.sha256_of(self.dest, dst) != checksums[name]:
+            digest = files.copy_to(name, dst) or storage.sha256_of(self.dest, dst)
+            if digest != checksums[name]:
                 written = copy_order(checksums)[: copy_order(checksums).index(name) + 1]
                 storage.delete_folder(self.dest, self.location.bucket, prefix, written)
                 raise InvalidAdapter(f"checksum mismatch for {name}: the stored file differs from the sha256 "
@@ -278,6 +291,7 @@ class Promoter:
                     storage.write_manifest(self.dest, self.location, new, etag)
                 except storage.ManifestConflict:
                     continue
+                report.seconds_to_publish = round(time.monotonic() - started, 3)
             self._fill_report(report, manifest, new, intent)
             self._audit(model, manifest, new, refusals, new_refusals, actor, trigger, report)
             report.seconds = round(time.monotonic() - started, 3)
