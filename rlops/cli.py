@@ -86,6 +86,8 @@ main.add_command(hooks_group)
 
 from rlops.commands.demo import demo_command  # noqa: E402
 main.add_command(demo_command)
+from rlops.commands.runs import runs_group  # noqa: E402
+main.add_command(runs_group)
 
 
 if __name__ == "__main__":

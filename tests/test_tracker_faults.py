@@ -53,7 +53,8 @@ def test_outage_mid_run_loses_nothing_and_never_blocks(test_config, tmp_path, ml
         for step in range(40):
             if step == 10:
                 mlflow_proxy.cut()
-            if step == 30:
+            if step == 30:  # the server (read directly, not through the proxy) saw nothing of the outage
+                assert all(s < 10 for s, _ in metric_history(mlflow_client, session.run_id, KEYS[0]))
                 mlflow_proxy.restore()
             started = time.perf_counter()
             session.log_metrics({k: float(step) for k in KEYS}, step=step)
@@ -61,7 +62,7 @@ def test_outage_mid_run_loses_nothing_and_never_blocks(test_config, tmp_path, ml
                 session.log_checkpoint(adapter, step=step)  # snapshot is local; upload waits for the server
             hook_times.append(time.perf_counter() - started)
             time.sleep(0.05)  # the outage lasts ~1 s of "training"
-        assert session.failed_requests > 0  # the outage was real: the sender saw failures
+    assert session.failed_requests > 0  # the outage was real: the sender saw failures and retried
     assert statistics.median(hook_times) < HOOK_BOUND_S, statistics.median(hook_times)
     assert max(hook_times) < HOOK_WORST_S, max(hook_times)
     assert mlflow_client.get_run(session.run_id).info.status == "FINISHED"

@@ -18,11 +18,16 @@ class MlflowRest:
         self._creds = get_default_host_creds(tracking_uri)
         self._timeout_s = timeout_s
 
-    def log_batch(self, run_id: str, metrics: Iterable[dict] = (), tags: Mapping[str, str] | None = None) -> None:
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
+    def log_batch(self, run_id: str, metrics: Iterable[dict] = (), tags: Mapping[str, str] | None = None,
+                  timeout_s: float | None = None) -> None:
         body = {"run_id": run_id, "metrics": list(metrics),
                 "tags": [{"key": k, "value": v} for k, v in (tags or {}).items()]}
         response = http_request(self._creds, LOG_BATCH, "POST", max_retries=0, backoff_factor=0,
-                                timeout=self._timeout_s, json=body)
+                                timeout=timeout_s or self._timeout_s, json=body)
         verify_rest_response(response, LOG_BATCH)
 
     def update_run(self, run_id: str, status: str, end_time_ms: int) -> None:

@@ -11,6 +11,8 @@ from tracker.spool import MetricSpool, Point
 
 log = logging.getLogger(__name__)
 
+MAX_TIMEOUT_DOUBLINGS = 3
+
 
 class MetricSender:
     """One daemon thread per session. Points are sent in spool order, so the acknowledgement is a
@@ -66,6 +68,7 @@ class MetricSender:
 
     def _run(self) -> None:
         backoff = 0.0
+        timeouts = 0  # consecutive read timeouts: a busy server, not a dead one
         while True:
             with self._cond:
                 while not self._queue and not self._stopping:
@@ -75,9 +78,13 @@ class MetricSender:
                 batch = [self._queue[i] for i in range(min(self._batch_size, len(self._queue)))]
             try:
                 self._spool.sync()  # off the training thread: the points now survive the node too
-                self._rest.log_batch(self._run_id, [p.to_rest() for p in batch])
+                # A timed-out request keeps running on the server; waiting longer on the retry avoids
+                # piling duplicate work onto a server that is only slow.
+                timeout_s = self._rest.timeout_s * 2 ** min(timeouts, MAX_TIMEOUT_DOUBLINGS)
+                self._rest.log_batch(self._run_id, [p.to_rest() for p in batch], timeout_s=timeout_s)
             except Exception as exc:  # noqa: BLE001 - any failure is retried; the spool keeps the points
                 self.failed_requests += 1
+                timeouts = timeouts + 1 if "timed out" in str(exc).lower() else 0
                 if self.last_error is None:
                     log.warning("MLflow unreachable, metrics stay spooled and are retried: %s", exc)
                 self.last_error = f"{type(exc).__name__}: {exc}"
@@ -85,7 +92,7 @@ class MetricSender:
                 with self._cond:
                     self._cond.wait_for(lambda: self._stopping, timeout=backoff)
                 continue
-            backoff = 0.0
+            backoff, timeouts = 0.0, 0
             self.last_error = None
             self._spool.acknowledge(batch[-1].seq)
             self.sent_points += len(batch)
