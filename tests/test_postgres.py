@@ -150,11 +150,17 @@ def postgres():
 @dataclass
 class PgMlflow:
     config: Config
-    tracking_uri: str
     admin_password: str
-    data_path: Path
     env: dict[str, str]
     up_output: str
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.config.tracking_uri
+
+    @property
+    def data_path(self) -> Path:
+        return self.config.data_path
 
 
 def run_cli(args, env, timeout=120):
@@ -197,7 +203,7 @@ def pg_mlflow(postgres: Postgres, stack, tmp_path_factory):
     config = load_config(config_path, environ=env)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        yield PgMlflow(config, config.tracking_uri, admin_password, config.data_path, env, up.stdout + up.stderr)
+        yield PgMlflow(config, admin_password, env, up.stdout + up.stderr)
     finally:
         down = run_cli(["down"], env)
         assert down.returncode == 0, down.stdout + down.stderr
