@@ -146,14 +146,19 @@ def rollback_command(ctx, model, alias, dry_run, as_json) -> None:
 def sync_command(ctx, model, as_json) -> None:
     """Make serving match the registry now, for MODEL or every configured model."""
     config = _config(ctx)
-    reports = []
+    reports, retired = [], []
     with handled(as_json):
         for name in [model] if model else config.registry.models:
             reports.append(sync_model(config, name, trigger="cli", actor=actor()))
+        if not model:
+            retired = operations.retire_unlisted(config)
     if as_json:
-        click.echo(json.dumps([r.to_dict() for r in reports], indent=2))
-    for report in [] if as_json else reports:
+        click.echo(json.dumps({"reports": [r.to_dict() for r in reports], "retired": retired}, indent=2))
+        return
+    for report in reports:
         _print_report(report, False)
+    for name in retired:
+        click.echo(f"{name}: no longer in registry.models, its routes manifest was unpublished")
 
 
 @main.command("list")

@@ -160,6 +160,18 @@ def status(config: Config, now: datetime | None = None) -> dict:
     return {"in_sync": all(not m["drift"] for m in models), "models": models, "reconciler": reconciler}
 
 
+def retire_unlisted(config: Config) -> list[str]:
+    """Unpublish manifests of models no longer in registry.models (the intent is the listed models only):
+    their routes answer "model does not exist"; their folders are left for an operator (gc skips them)."""
+    promoter = Promoter(config)
+    retired = []
+    for name in storage.list_manifest_models(promoter.dest, promoter.location):
+        if name not in config.registry.models:
+            storage.delete_manifest(promoter.dest, promoter.location, name)
+            retired.append(name)
+    return retired
+
+
 @dataclass
 class GcReport:
     deleted: list[str] = field(default_factory=list)

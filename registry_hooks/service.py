@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from registry_hooks import registry, storage
-from registry_hooks.operations import RECONCILER_STATUS
+from registry_hooks.operations import RECONCILER_STATUS, retire_unlisted
 from registry_hooks.sync import Promoter, SyncReport, sync_model
 from registry_hooks.webhook import (
     ALIAS_EVENTS,
@@ -91,6 +91,10 @@ class Reconciler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            try:
+                retire_unlisted(self.config)
+            except Exception as exc:  # noqa: BLE001 - reported like a failed sync; the loop goes on
+                self.last_error = f"retiring unlisted models: {type(exc).__name__}: {exc}"[:500]
             for model in self.config.registry.models:
                 self.request(model, "reconciler")
             self._stop.wait(self.config.hooks.reconcile_interval_s)

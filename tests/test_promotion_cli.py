@@ -120,3 +120,20 @@ def test_promote_console_script_runs(stack, cli):
                           env=stack.env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["in_sync"] is True
+
+
+def test_promote_sync_unpublishes_models_removed_from_config(stack, test_config, mlflow_client, versions, tmp_path):
+    model = test_config.registry.models[0]
+    v1 = versions(1, 0.5)
+    mlflow_client.set_registered_model_alias(model, "production", str(v1))
+    runner = CliRunner()
+    path = write_config(tmp_path / "all.yaml", test_config.model_dump(exclude_none=True))
+    result = runner.invoke(promote_cli, ["--config", str(path), "sync", "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["reports"][0]["served"] == {"production": v1}
+
+    narrowed = test_config.model_copy(deep=True)
+    narrowed.registry.models = [f"{model}-successor"]
+    path = write_config(tmp_path / "narrowed.yaml", narrowed.model_dump(exclude_none=True))
+    result = runner.invoke(promote_cli, ["--config", str(path), "sync", "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["retired"] == [model]
+    assert read_manifest(stack, test_config) is None
