@@ -1,0 +1,109 @@
+"""Pure promotion logic (no servers): manifest planning, rollback, drift, adapter checks, webhook auth."""
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from registry_hooks.adapter import (
+    AdapterPolicy,
+    InvalidAdapter,
+    check_adapter_config,
+    check_files,
+    check_safetensors_header,
+    copy_order,
+    safetensors_header_length,
+)
+from registry_hooks.plan import drift, next_manifest, rollback_target
+from registry_hooks.webhook import Rejected, SeenDeliveries, authenticate, parse_delivery, sign
+from rlops.layout import AliasRoute, RoutesManifest
+
+POLICY = AdapterPolicy(max_rank=32, base_models=frozenset({"/models/base"}), target_modules=frozenset({"q_proj", "v_proj"}))
+CONFIG = {"peft_type": "LORA", "r": 8, "base_model_name_or_path": "/models/base",
+          "target_modules": ["model.layers.0.self_attn.q_proj", "v_proj"]}
+
+
+def route(version: int) -> AliasRoute:
+    return AliasRoute(version=version, folder=f"m-v{version}", files={"a.json": "0" * 64}, promoted_at="t0", trigger="x")
+
+
+def test_next_manifest_moves_refuses_and_drops_aliases():
+    old = next_manifest(RoutesManifest(model="m"), {"production": 1, "staging": 1}, {1: route(1)}, {},
+                        trigger="a", now="t1", history_limit=10)
+    assert old.generation == 1 and old.aliases["production"].promoted_at == "t1"
+    same = next_manifest(old, {"production": 1, "staging": 1}, {}, {}, trigger="b", now="t2", history_limit=10)
+    assert same is old  # nothing changed: no new generation, nothing to write
+    new = next_manifest(old, {"production": 2}, {}, {2: "bad rank"}, trigger="b", now="t3", history_limit=10)
+    assert new.aliases == {"production": old.aliases["production"]}  # refused: keeps the old target
+    assert new.refused["production"].version == 2 and new.refused["production"].reason == "bad rank"
+    assert "staging" not in new.aliases and new.generation == 2
+    again = next_manifest(new, {"production": 2}, {}, {2: "bad rank"}, trigger="c", now="t4", history_limit=10)
+    assert again is new  # a standing refusal is not rewritten
+    fixed = next_manifest(new, {"production": 3}, {3: route(3)}, {}, trigger="d", now="t5", history_limit=2)
+    assert fixed.aliases["production"].version == 3 and fixed.refused == {}
+    assert [(h.alias, h.version) for h in fixed.history] == [("staging", 1), ("production", 3)]  # limit 2
+
+
+def test_rollback_target_and_drift():
+    m = RoutesManifest(model="m")
+    m = next_manifest(m, {"production": 1}, {1: route(1)}, {}, trigger="a", now="t1", history_limit=10)
+    assert rollback_target(m, "production") is None
+    m = next_manifest(m, {"production": 2}, {2: route(2)}, {}, trigger="a", now="t2", history_limit=10)
+    assert rollback_target(m, "production") == 1
+    m = next_manifest(m, {"production": 1}, {1: route(1)}, {}, trigger="rollback", now="t3", history_limit=10)
+    assert rollback_target(m, "production") == 2
+    assert drift({"production": 1}, m) == []
+    assert [d.describe() for d in drift({"production": 4, "staging": 2}, m)] == [
+        "production: registry v4, served v1", "staging: registry v2, served nothing"]
+
+
+def test_adapter_checks():
+    check_files({"adapter_config.json": 1, "adapter_model.safetensors": 2},
+                {"adapter_config.json": "a" * 64, "adapter_model.safetensors": "b" * 64})
+    with pytest.raises(InvalidAdapter, match="no recorded sha256"):
+        check_files({"adapter_config.json": 1, "adapter_model.safetensors": 2}, {"adapter_config.json": "a" * 64})
+    with pytest.raises(InvalidAdapter, match="missing adapter files: adapter_model.safetensors"):
+        check_files({"adapter_config.json": 1}, {"adapter_config.json": "a" * 64})
+    with pytest.raises(InvalidAdapter, match="other than .safetensors/.json.*sub/x.json"):
+        check_files({"sub/x.json": 1}, {})
+    assert check_adapter_config(CONFIG, POLICY) == 8
+    assert check_adapter_config({**CONFIG, "base_model_name_or_path": None}, POLICY, base_model_tag="/models/base") == 8
+    for bad, reason in [({"r": 64}, "rank 64"), ({"rank_pattern": {"q": 40}}, "rank 40"), ({"peft_type": "IA3"}, "not a LoRA"),
+                        ({"target_modules": "all-linear"}, "explicit list"), ({"target_modules": ["lm_head"]}, "lm_head"),
+                        ({"base_model_name_or_path": "x"}, "not the served base"), ({"modules_to_save": ["e"]}, "modules_to_save")]:
+        with pytest.raises(InvalidAdapter, match=reason):
+            check_adapter_config({**CONFIG, **bad}, POLICY)
+    assert copy_order(["adapter_config.json", "b.json", "adapter_model.safetensors"])[-1] == "adapter_config.json"
+
+
+def test_safetensors_header_checks():
+    header = json.dumps({"a.lora_A.weight": {"shape": [8, 32]}, "a.lora_B.weight": {"shape": [32, 8]},
+                         "__metadata__": {"format": "pt"}}).encode()
+    assert safetensors_header_length(struct.pack("<Q", len(header))) == len(header)
+    check_safetensors_header(header, rank=8)
+    with pytest.raises(InvalidAdapter, match="above the declared rank"):
+        check_safetensors_header(header, rank=4)
+    with pytest.raises(InvalidAdapter, match="non-LoRA tensor"):
+        check_safetensors_header(json.dumps({"model.embed.weight": {"shape": [4, 4]}}).encode(), rank=8)
+    with pytest.raises(InvalidAdapter, match="not a safetensors"):
+        safetensors_header_length(struct.pack("<Q", 1 << 40))
+
+
+def test_webhook_authentication_window_and_dedup():
+    body = json.dumps({"entity": "model_version_alias", "action": "created", "data": {"name": "m", "version": "9"}}).encode()
+    headers = {"x-mlflow-delivery-id": "d1", "x-mlflow-timestamp": "1000", "x-mlflow-signature": sign("s", "d1", "1000", body)}
+    assert authenticate(headers, body, "s", now=1100, tolerance_s=300) == "d1"
+    for hdrs, now, secret, reason in [({**headers, "x-mlflow-signature": "v1,AAAA"}, 1100, "s", "bad signature"),
+                                      (headers, 1400.5, "s", "outside"), (headers, 1100, "other", "bad signature"),
+                                      ({}, 1100, "s", "missing")]:
+        with pytest.raises(Rejected, match=reason) as err:
+            authenticate(hdrs, body, secret, now=now, tolerance_s=300)
+        assert err.value.status == 401
+    delivery = parse_delivery("d1", body)
+    assert (delivery.event, delivery.model) == ("model_version_alias.created", "m")
+    with pytest.raises(Rejected, match="not an MLflow webhook payload"):
+        parse_delivery("d1", b"[1]")
+    seen = SeenDeliveries(window_s=10)
+    assert seen.first_time("d1", now=0) and not seen.first_time("d1", now=5)
+    assert seen.first_time("d1", now=100)  # forgotten after the window (stale deliveries are rejected anyway)
