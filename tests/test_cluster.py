@@ -190,6 +190,20 @@ def test_compose_file_validates_against_the_compose_spec():
                 assert (DOCKER / source).exists(), f"compose mounts missing {source}"
 
 
+def test_compose_bucket_job_creates_the_bucket(stack, unique_name):
+    """The compose file's one-shot bucket job, run as written against the session's real S3 server."""
+    job = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]["bucket"]
+    assert job["entrypoint"] == ["python", "-c"]
+    bucket = f"compose-{unique_name}"[:63]
+    env = dict(stack.env, BUCKET=bucket)
+    for _ in range(2):  # idempotent: a second run finds the bucket and succeeds
+        out = subprocess.run([sys.executable, "-c", job["command"][0]], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+    assert bucket in [b["Name"] for b in stack.s3().list_buckets()["Buckets"]]
+    stack.s3().delete_bucket(Bucket=bucket)
+
+
 # --------------------------------------------------------------------------------- RayService vs the CLI
 
 
