@@ -285,7 +285,7 @@ class RunSession:
                         "and land when a session resumes this run dir", self._run_id, self._sender.pending,
                         self._uploader.pending, self._state)
         try:
-            self._rest.log_batch(self._run_id, tags=tags)
+            self._rest.set_tags(self._run_id, tags)
             self._rest.update_run(self._run_id, status, int(time.time() * 1000))
         except Exception as exc:  # noqa: BLE001 - the heartbeat stopped, so `rlops runs sweep` settles it
             log.warning("could not mark run %s %s: %s", self._run_id, status, exc)
@@ -304,7 +304,7 @@ class RunSession:
     def _heartbeat(self) -> None:
         while not self._heartbeat_stop.wait(self.config.tracking.heartbeat_interval_s):
             try:
-                self._rest.log_batch(self._run_id, tags={TAG_HEARTBEAT: str(int(time.time()))})
+                self._rest.set_tags(self._run_id, {TAG_HEARTBEAT: str(int(time.time()))})
             except Exception:  # noqa: BLE001 - a missed beat is retried next interval
                 pass
 
@@ -362,7 +362,8 @@ def _check_step(step: Any) -> int:
 def _experiment_id(client: MlflowClient, name: str) -> str:
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
-        return client.create_experiment(name)
+        # Tells the MLflow UI this is model training (runs, charts), not a GenAI experiment (traces).
+        return client.create_experiment(name, tags={"mlflow.experimentKind": "custom_model_development"})
     if experiment.lifecycle_stage != "active":
         raise ValueError(f"experiment {name!r} is deleted; restore it or set tracking.experiment to another name")
     return experiment.experiment_id
