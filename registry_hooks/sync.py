@@ -240,12 +240,12 @@ class Promoter:
 
     def _verify_complete(self, prefix: str, existing: dict, checksums: dict[str, str]) -> None:
         """A complete folder is never rewritten (replicas may have cached it): it must already be right."""
+        # Reasons never name the folder: refusals may reach clients, folder names must not.
         if set(existing) != set(checksums):
-            raise InvalidAdapter(f"folder {prefix.rsplit('/', 1)[-1]} already exists with other files; not rewritten")
+            raise InvalidAdapter("this version's serving folder already exists with other files; not rewritten")
         for name, digest in checksums.items():
             if storage.sha256_of(self.dest, storage.ObjectRef(self.location.bucket, f"{prefix}/{name}")) != digest:
-                raise InvalidAdapter(f"folder {prefix.rsplit('/', 1)[-1]} already exists with a different {name}; "
-                                     "not rewritten")
+                raise InvalidAdapter(f"this version's serving folder already holds a different {name}; not rewritten")
 
     def folder_complete(self, model: str, version: int) -> bool:
         prefix = self.location.key(version_folder(model, version))

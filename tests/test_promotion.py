@@ -162,3 +162,21 @@ def test_concurrent_syncs_converge(stack, test_config, mlflow_client, registered
     assert len(reports) == 3 and all(r.served == {"production": v1, "staging": v1} for r in reports)
     manifest = assert_manifest_consistent(stack, test_config)
     assert manifest.generation == 1 and len(manifest.history) == 2
+
+
+def test_complete_folder_with_other_content_is_never_rewritten(stack, test_config, mlflow_client, registered):
+    """Replicas may have cached a complete folder: a mismatch is refused, never fixed by overwriting."""
+    from rlops.layout import parse_s3_uri
+
+    model = test_config.registry.models[0]
+    v1 = registered(seed=1)
+    location = parse_s3_uri(test_config.lora_path)
+    for name, body in {ADAPTER_CONFIG: b"{}", ADAPTER_WEIGHTS: b"stale"}.items():
+        stack.s3().put_object(Bucket=location.bucket, Key=location.key(version_folder(model, v1), name), Body=body)
+    mlflow_client.set_registered_model_alias(model, "production", str(v1))
+
+    report = sync_model(test_config, model, trigger="test")
+
+    assert report.served == {} and "not rewritten" in report.refused["production"]["reason"]
+    assert version_folder(model, v1) not in report.refused["production"]["reason"]
+    assert folder_objects(stack, test_config, version_folder(model, v1)) == {ADAPTER_CONFIG: b"{}", ADAPTER_WEIGHTS: b"stale"}
