@@ -13,7 +13,7 @@ from tracker.checkpoints import TAG_SHA256, TAG_STEP, sha256_of
 from tracker.naming import eval_key, metric_key, redacted_params, split_param_changes
 from tracker.registry import rank_checkpoints, retention_victims, ScoredCheckpoint
 from tracker.session import STATE_DIR, TAG_EXCEPTION_MESSAGE, TAG_EXCEPTION_TYPE, TAG_PARAM_CHANGED
-from tracker.spool import MetricSpool, Point
+from tracker.spool import MetricSpool, Point, decode
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +46,18 @@ def test_params_are_flattened_and_redacted():
 
 def test_spool_replays_only_unacknowledged_points(tmp_path):
     spool = MetricSpool(tmp_path)
-    points = spool.append([Point("m", float(i), 1000 + i, i) for i in range(5)] + [Point("n", math.nan, 1, 9)])
-    assert [p.seq for p in points] == [1, 2, 3, 4, 5, 6]
+    spooled = spool.append([Point("m", float(i), 1000 + i, i) for i in range(5)] + [Point("n", math.nan, 1, 9)])
+    assert [s.seq for s in spooled] == [1, 2, 3, 4, 5, 6]
+    assert json.loads(spooled[0].body) == {"key": "m", "value": 0.0, "timestamp": 1000, "step": 0}
     spool.acknowledge(3)
     spool.close()
     with (tmp_path / "spool.jsonl").open("a") as fh:
-        fh.write('{"s":7,"k":"torn')  # a crash mid-line
+        fh.write('7\t{"key":"torn')  # a crash mid-line
     reopened = MetricSpool(tmp_path)
-    assert [(p.key, p.step) for p in reopened.unacknowledged()] == [("m", 3), ("m", 4), ("n", 9)]
-    assert reopened.unacknowledged()[-1].to_rest()["value"] == "NaN"
-    assert reopened.append([Point("m", 1.0, 1, 1)])[0].seq == 7
+    pending = [decode(s.body) for s in reopened.unacknowledged()]
+    assert [(p.key, p.step) for p in pending] == [("m", 3), ("m", 4), ("n", 9)]
+    assert math.isnan(pending[-1].value) and json.loads(reopened.unacknowledged()[-1].body)["value"] == "NaN"
+    assert reopened.append([Point("m", 1.0, 1, 1, "m-123")])[0].seq == 7
     reopened.acknowledge(7)
     reopened.close()
     assert MetricSpool(tmp_path).unacknowledged() == []

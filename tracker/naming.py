@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from typing import Any, Mapping
 
 from rlops.config import MASK, mask_value
@@ -11,6 +12,7 @@ MAX_PARAM_VALUE = 6000  # MLflow truncates longer param values; we cut first so 
 _ILLEGAL_KEY_CHARS = re.compile(r"[^\w./\- :]")
 
 
+@lru_cache(maxsize=65536)
 def metric_key(name: str) -> str:
     """The MLflow key of a trainer metric: the trainer's name with MLflow-illegal characters mapped
     (`@` -> `_at_` exactly as SkyRL's own MLflow backend does, anything else illegal -> `_`)."""
@@ -28,6 +30,8 @@ def eval_key(data_source: str, metric: str = "avg_score") -> str:
 
 def as_float(name: str, value: Any) -> float:
     """A metric value as float; bools and numeric scalars (incl. 0-d tensors) are accepted."""
+    if type(value) is float:  # the common case first: this runs for every point on the training thread
+        return value
     if hasattr(value, "item") and callable(value.item):
         value = value.item()
     if isinstance(value, bool):

@@ -7,7 +7,7 @@ import time
 from collections import deque
 
 from tracker.rest import MAX_METRICS_PER_BATCH, MlflowRest
-from tracker.spool import MetricSpool, Point
+from tracker.spool import MetricSpool, Spooled
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class MetricSender:
         self._run_id = run_id
         self._batch_size = min(batch_size, MAX_METRICS_PER_BATCH)
         self._max_backoff_s = max_backoff_s
-        self._queue: deque[Point] = deque()
+        self._queue: deque[Spooled] = deque()
         self._cond = threading.Condition()
         self._stopping = False
         self._submitted = spool.acked
@@ -35,7 +35,7 @@ class MetricSender:
         self._thread = threading.Thread(target=self._run, name="rlops-tracker-sender", daemon=True)
         self._thread.start()
 
-    def submit(self, points: list[Point]) -> None:
+    def submit(self, points: list[Spooled]) -> None:
         if not points:
             return
         with self._cond:
@@ -81,7 +81,7 @@ class MetricSender:
                 # A timed-out request keeps running on the server; waiting longer on the retry avoids
                 # piling duplicate work onto a server that is only slow.
                 timeout_s = self._rest.timeout_s * 2 ** min(timeouts, MAX_TIMEOUT_DOUBLINGS)
-                self._rest.log_batch(self._run_id, [p.to_rest() for p in batch], timeout_s=timeout_s)
+                self._rest.log_metrics(self._run_id, [p.body for p in batch], timeout_s=timeout_s)
             except Exception as exc:  # noqa: BLE001 - any failure is retried; the spool keeps the points
                 self.failed_requests += 1
                 timeouts = timeouts + 1 if "timed out" in str(exc).lower() else 0

@@ -1,7 +1,8 @@
 """The write-ahead spool: every metric point is appended to a local file before it is sent.
 
 Files (in the tracker's state dir beside the trainer's checkpoints):
-- `spool.jsonl`: one JSON line per point, with a sequence number assigned at append time.
+- `spool.jsonl`: one line per point, `<seq>\t<REST JSON of the point>`; the sequence number is assigned at
+  append time, and the JSON is exactly what the sender posts, so it is encoded once, on append.
 - `spool.ack`: the highest sequence number MLflow acknowledged (the sender sends in order).
 
 A restart replays every point above the watermark. Exactly once holds because the timestamp is fixed
@@ -14,46 +15,58 @@ import json
 import math
 import os
 import threading
-from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from typing import Iterable, NamedTuple
 
 SPOOL_FILE = "spool.jsonl"
 ACK_FILE = "spool.ack"
 
 
-@dataclass(frozen=True)
-class Point:
+class Point(NamedTuple):
     key: str
     value: float
     timestamp_ms: int
     step: int
     model_id: str | None = None
-    seq: int = 0
-
-    def to_rest(self) -> dict:
-        """The REST `Metric` shape; non-finite values use protobuf-JSON names."""
-        value: float | str = self.value
-        if math.isnan(self.value):
-            value = "NaN"
-        elif math.isinf(self.value):
-            value = "Infinity" if self.value > 0 else "-Infinity"
-        body = {"key": self.key, "value": value, "timestamp": self.timestamp_ms, "step": self.step}
-        if self.model_id:
-            body["model_id"] = self.model_id
-        return body
 
 
-def _encode(point: Point) -> str:
-    row = {"s": point.seq, "k": point.key, "v": point.value, "t": point.timestamp_ms, "p": point.step}
+class Spooled(NamedTuple):
+    seq: int
+    body: str  # the point as REST `Metric` JSON
+
+
+@lru_cache(maxsize=65536)
+def _json_string(text: str) -> str:
+    return json.dumps(text)
+
+
+def encode(point: Point) -> str:
+    """REST `Metric` JSON; non-finite values use protobuf-JSON's string names."""
+    value = point.value
+    if math.isfinite(value):
+        number = repr(value)
+    else:
+        number = '"NaN"' if math.isnan(value) else ('"Infinity"' if value > 0 else '"-Infinity"')
+    body = '{"key":%s,"value":%s,"timestamp":%d,"step":%d' % (_json_string(point.key), number,
+                                                               point.timestamp_ms, point.step)
     if point.model_id:
-        row["m"] = point.model_id
-    return json.dumps(row, separators=(",", ":"))  # NaN/Infinity round-trip through Python's json
+        body += ',"model_id":%s' % _json_string(point.model_id)
+    return body + "}"
 
 
-def _decode(line: str) -> Point | None:
+def decode(body: str) -> Point:
+    row = json.loads(body)
+    return Point(row["key"], float(row["value"]), int(row["timestamp"]), int(row["step"]), row.get("model_id"))
+
+
+def _parse_line(line: str) -> Spooled | None:
+    seq, sep, body = line.rstrip("\n").partition("\t")
+    if not sep:
+        return None
     try:
-        row = json.loads(line)
-        return Point(row["k"], float(row["v"]), int(row["t"]), int(row["p"]), row.get("m"), int(row["s"]))
+        decode(body)
+        return Spooled(int(seq), body)
     except (ValueError, KeyError, TypeError):
         return None  # a torn last line from a crash mid-write: that point was never acknowledged either
 
@@ -68,11 +81,11 @@ class MetricSpool:
         self._ack_path = self.state_dir / ACK_FILE
         self._lock = threading.Lock()
         self.acked = self._read_ack()
-        existing = self._read_points()
-        self._pending_at_open = [p for p in existing if p.seq > self.acked]
-        self._next_seq = max((p.seq for p in existing), default=self.acked) + 1
+        existing = self._read()
+        self._pending_at_open = [s for s in existing if s.seq > self.acked]
+        self._next_seq = max((s.seq for s in existing), default=self.acked) + 1
         if existing and not self._pending_at_open:
-            self._compact()
+            self._path.write_text("")  # everything landed; numbering stays monotonic via the watermark
         # O_APPEND + one os.write per call: a kill -9 leaves whole lines in the page cache.
         self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
@@ -80,19 +93,20 @@ class MetricSpool:
     def last_seq(self) -> int:
         return self._next_seq - 1
 
-    def unacknowledged(self) -> list[Point]:
+    def unacknowledged(self) -> list[Spooled]:
         """Points from earlier sessions that MLflow never acknowledged, in order (read at open)."""
         return list(self._pending_at_open)
 
-    def append(self, points: list[Point]) -> list[Point]:
-        """Assign sequence numbers and write the points; returns them numbered."""
+    def append(self, points: Iterable[Point]) -> list[Spooled]:
+        """Number, encode and write the points (one write call); returns them as spooled."""
+        bodies = [encode(p) for p in points]
         with self._lock:
-            numbered = []
-            for point in points:
-                numbered.append(Point(point.key, point.value, point.timestamp_ms, point.step, point.model_id, self._next_seq))
-                self._next_seq += 1
-            os.write(self._fd, "".join(_encode(p) + "\n" for p in numbered).encode())
-            return numbered
+            first = self._next_seq
+            self._next_seq += len(bodies)
+            spooled = [Spooled(first + i, body) for i, body in enumerate(bodies)]
+            if spooled:
+                os.write(self._fd, "".join(f"{s.seq}\t{s.body}\n" for s in spooled).encode())
+        return spooled
 
     def sync(self) -> None:
         """fsync the spool, so it also survives the node (called off the training thread)."""
@@ -118,12 +132,8 @@ class MetricSpool:
         except (FileNotFoundError, ValueError):
             return 0
 
-    def _read_points(self) -> list[Point]:
+    def _read(self) -> list[Spooled]:
         if not self._path.exists():
             return []
         with self._path.open() as fh:
-            return [p for line in fh if (p := _decode(line)) is not None]
-
-    def _compact(self) -> None:
-        # Everything landed: start an empty file but keep numbering monotonic via the watermark.
-        self._path.write_text("")
+            return [s for line in fh if (s := _parse_line(line)) is not None]

@@ -1,0 +1,182 @@
+"""Tracker overhead on the training thread, and metric points landed per second.
+
+1. Blocking time per training step (one SkyRL payload of 100 metrics): our SkyRL callback (`on_log` ->
+   RunSession: validate, stamp, append to the spool file, enqueue) vs SkyRL's built-in
+   `Tracking(backend="mlflow")` (`mlflow.log_metrics` synchronously), against the same MLflow server.
+   Goal: >= 50x less blocking (p50 vs p50) and our p99 < 1 ms.
+2. End to end: points landed per second (first enqueue -> every point acknowledged by MLflow) for our
+   spool + background sender vs MLflow's own async client with buffering
+   (`synchronous=False`, MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS=1, then `flush_async_logging()`). Goal >= 1.0x.
+
+Usage: python bench/tracker_overhead.py [--steps 300] [--baseline-steps 40]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _results import record  # noqa: E402
+
+import tracker.skyrl as skyrl_tracker  # noqa: E402  (imports tracker.compat before SkyRL)
+from skyrl.train.utils.callbacks import CallbackInput  # noqa: E402
+from skyrl.train.utils.tracking import Tracking  # noqa: E402
+
+import mlflow  # noqa: E402
+from rlops import stack  # noqa: E402
+from rlops.config import load_config  # noqa: E402
+from tracker import RunSession  # noqa: E402
+
+METRICS_PER_STEP = 100
+
+
+def free_port(pair: bool = False) -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not pair or port + 10000 < 65536:
+            return port
+
+
+def payload(step: int) -> dict[str, float]:
+    """A SkyRL-shaped step payload: 100 keys, some with `@` (mapped to `_at_` by both paths)."""
+    keys = [f"policy/m{i:02d}" for i in range(60)] + [f"timing/t{i:02d}" for i in range(30)]
+    keys += [f"reward/avg_pass@{i}" for i in range(10)]
+    return {key: float(step) + i / 1000 for i, key in enumerate(keys)}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def blocking_ours(config, root: Path, steps: int) -> tuple[list[float], list[float]]:
+    """Wall time per hook call, and the thread's own CPU time in it (the difference is time the OS or
+    another thread holding the GIL kept the training thread waiting)."""
+    session = RunSession.start(config, root / "ours-blocking", run_name="bench-ours-blocking")
+    callback = skyrl_tracker.TrackerCallback(session, register_best=False)
+    wall, cpu = [], []
+    for step in range(1, steps + 1):
+        ci = CallbackInput(global_step=step, epoch=0, total_steps=steps, steps_per_epoch=steps, logs=payload(step))
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        callback.on_log(None, ci, None)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.thread_time() - start_cpu)
+        time.sleep(0.002)  # a training step does other work between hooks
+    session.finish()
+    return wall, cpu
+
+
+def blocking_skyrl(config, steps: int) -> list[float]:
+    os.environ["MLFLOW_TRACKING_URI"] = config.tracking_uri  # how SkyRL's backend finds the server
+    tracking = Tracking(project_name=config.tracking.experiment, experiment_name="bench-skyrl-builtin",
+                        backend="mlflow", config=None)
+    times = []
+    for step in range(1, steps + 1):
+        data = payload(step)
+        start = time.perf_counter()
+        tracking.log(data, step=step)
+        times.append(time.perf_counter() - start)
+    tracking.finish()
+    return times
+
+
+def throughput_ours(config, root: Path, steps: int) -> tuple[float, list[float]]:
+    session = RunSession.start(config, root / "ours-throughput", run_name="bench-ours-throughput")
+    enqueue = []
+    start = time.perf_counter()
+    for step in range(steps):
+        t = time.perf_counter()
+        session.log_metrics(payload(step), step=step)
+        enqueue.append(time.perf_counter() - t)
+    assert session.flush(600), "our sender did not drain within 600 s"
+    elapsed = time.perf_counter() - start
+    session.finish()
+    return steps * METRICS_PER_STEP / elapsed, enqueue
+
+
+def throughput_mlflow_async(config, steps: int) -> tuple[float, list[float]]:
+    os.environ["MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS"] = "1"
+    mlflow.set_tracking_uri(config.tracking_uri)
+    experiment = mlflow.set_experiment(config.tracking.experiment)
+    run = mlflow.MlflowClient().create_run(experiment.experiment_id, run_name="bench-mlflow-async")
+    run_id = run.info.run_id
+    enqueue = []
+    start = time.perf_counter()
+    for step in range(steps):
+        data = {k.replace("@", "_at_"): v for k, v in payload(step).items()}
+        t = time.perf_counter()
+        mlflow.log_metrics(data, step=step, synchronous=False, run_id=run_id)
+        enqueue.append(time.perf_counter() - t)
+    mlflow.flush_async_logging()
+    elapsed = time.perf_counter() - start
+    mlflow.MlflowClient().set_terminated(run_id)
+    return steps * METRICS_PER_STEP / elapsed, enqueue
+
+
+def landed(config, run_name: str, key: str) -> int:
+    client = mlflow.MlflowClient(tracking_uri=config.tracking_uri)
+    experiment = client.get_experiment_by_name(config.tracking.experiment)
+    [run] = client.search_runs([experiment.experiment_id], filter_string=f"attributes.run_name = '{run_name}'")
+    return len(client.get_metric_history(run.info.run_id, key))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=300, help="steps of 100 metrics for our tracker")
+    parser.add_argument("--baseline-steps", type=int, default=40, help="steps for SkyRL's synchronous backend")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "mlflow.yaml").write_text(json.dumps({
+            "data_dir": str(root / "data"), "server": {"port": free_port()},
+            "storage": {"endpoint_url": f"http://127.0.0.1:{free_port(pair=True)}", "bucket": "bench"},
+            "tracking": {"experiment": "bench-tracker"}}))
+        config = load_config(root / "mlflow.yaml", environ={})
+        stack.up(config, timeout_s=120)
+        try:
+            ours, ours_cpu = blocking_ours(config, root, args.steps)
+            skyrl = blocking_skyrl(config, args.baseline_steps)
+            ours_rate, ours_enqueue = throughput_ours(config, root, args.steps)
+            async_rate, async_enqueue = throughput_mlflow_async(config, args.steps)
+            for run_name in ("bench-ours-throughput", "bench-mlflow-async"):
+                count = landed(config, run_name, "policy/m00")
+                assert count == args.steps, f"{run_name}: {count} of {args.steps} points of policy/m00 landed"
+        finally:
+            stack.down(config)
+
+    ms = 1000.0
+    ours_p50, ours_p99 = statistics.median(ours) * ms, percentile(ours, 0.99) * ms
+    skyrl_p50, skyrl_p99 = statistics.median(skyrl) * ms, percentile(skyrl, 0.99) * ms
+    ratio = skyrl_p50 / ours_p50
+    blocking_met = ratio >= 50 and ours_p99 < 1.0
+    print(f"training-thread blocking per step ({METRICS_PER_STEP} metrics): ours p50 {ours_p50:.3f} ms, "
+          f"p99 {ours_p99:.3f} ms ({args.steps} steps) | SkyRL Tracking(backend='mlflow') p50 {skyrl_p50:.1f} ms, "
+          f"p99 {skyrl_p99:.1f} ms ({args.baseline_steps} steps) | ratio (SkyRL / ours, p50) {ratio:.0f}x; "
+          f"goal >= 50x and our p99 < 1 ms: {'met' if blocking_met else 'MISSED'}")
+    print(f"  ours, CPU time of the training thread inside the hook: p50 {statistics.median(ours_cpu) * ms:.3f} ms, "
+          f"p99 {percentile(ours_cpu, 0.99) * ms:.3f} ms; load average now {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} CPUs (wall p99 above CPU p99 = time the OS scheduler kept the thread off a CPU)")
+    record("tracker_overhead.py", ours_p99, "ms per step (p99 blocking, 100 metrics)", skyrl_p99,
+           skyrl_p50 / ours_p50, ">= 50x less training-thread blocking than SkyRL's Tracking(backend='mlflow') "
+           "(p50 ratio), our p99 < 1 ms")
+    throughput_ratio = ours_rate / async_rate
+    print(f"points landed per second ({args.steps * METRICS_PER_STEP} points, enqueue -> acknowledged): ours "
+          f"{ours_rate:.0f}/s (enqueue p50 {statistics.median(ours_enqueue) * ms:.3f} ms/step) | MLflow async "
+          f"client, 1 s buffering {async_rate:.0f}/s (enqueue p50 {statistics.median(async_enqueue) * ms:.3f} "
+          f"ms/step) | ratio {throughput_ratio:.2f}x; goal >= 1.0x: {'met' if throughput_ratio >= 1 else 'MISSED'}")
+    record("tracker_overhead.py:throughput", ours_rate, "points/s landed", async_rate, throughput_ratio,
+           ">= 1.0x MLflow's async client with buffering")
+
+
+if __name__ == "__main__":
+    main()
