@@ -50,6 +50,7 @@ class TrackingConfig(_Section):
     best_metric: str = Field("avg_score", description="eval metric that picks the best checkpoint (higher is better)")
     register_aliases: list[str] = Field(default_factory=lambda: ["candidate"],
                                         description="aliases register_best sets; never a served alias unless listed")
+    register_on_eval: bool = Field(False, description="also register the best checkpoint after each linked eval")
     keep_best_checkpoints: int | None = Field(None, ge=1, description="retention: keep the best k + the latest "
                                               "checkpoints (and registered ones); None keeps all")
 

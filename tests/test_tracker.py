@@ -182,3 +182,24 @@ def test_inputs_are_validated_with_specific_messages(test_config, tmp_path):
             (tmp_path / "bad" / "adapter_config.json").write_text("{}")
             session.log_checkpoint(tmp_path / "bad", step=1)
         assert session.register_best("maze_2d/easy") is None  # nothing evaluated: nothing registered
+
+
+def test_register_on_eval_and_retention_keep_best_latest_and_registered(test_config, tmp_path, mlflow_client,
+                                                                        adapters):
+    test_config.tracking.register_on_eval = True
+    test_config.tracking.keep_best_checkpoints = 1
+    scores = {1: 0.9, 2: 0.5, 3: 0.2, 4: 0.3}
+    with RunSession.start(test_config, tmp_path / "run") as session:
+        for step, score in scores.items():
+            session.log_checkpoint(adapters[step % 2], step=step)
+            session.log_eval("maze_2d/local7", score, [], step=step)
+        assert session.flush(60)
+        # registered in the background after the first linked eval; later evals were worse: no new version
+        early = mlflow_client.get_model_version_by_alias(test_config.registered_model, "candidate")
+        assert early.tags["rlops.step"] == "1"
+        version = session.register_best()
+    assert version.version == early.version
+    assert len(mlflow_client.search_model_versions(f"name = '{test_config.registered_model}'")) == 1
+    left = mlflow_client.search_logged_models(experiment_ids=[session.experiment_id],
+                                              filter_string=f"source_run_id = '{session.run_id}'")
+    assert sorted(int(m.tags[TAG_STEP]) for m in left) == [1, 4]  # best (and registered) + latest

@@ -1,4 +1,5 @@
-"""LoRA checkpoints and eval tables: snapshotted on the training thread, uploaded by a worker thread.
+"""LoRA checkpoints and eval tables: snapshotted on the training thread, uploaded by a worker thread
+(which also runs the optional registration after each linked eval, so it follows the uploads).
 
 A job is a JSON file in `<state>/jobs/` (its snapshot beside it), so a restart finishes what a crash
 left: a checkpoint whose LoggedModel was created keeps its `model_id` and is not created twice.
@@ -64,7 +65,8 @@ class ArtifactUploader:
     """Worker thread for checkpoint and table jobs, retried with backoff until they land."""
 
     def __init__(self, client: MlflowClient, run_id: str, experiment_id: str, state_dir: Path, *,
-                 model_tags: dict[str, str], on_checkpoint: Callable[[int, str], None], max_backoff_s: float):
+                 model_tags: dict[str, str], on_checkpoint: Callable[[int, str], None],
+                 on_register: Callable[[str], None], max_backoff_s: float):
         self._client = client
         self._run_id = run_id
         self._experiment_id = experiment_id
@@ -72,6 +74,7 @@ class ArtifactUploader:
         self._dir.mkdir(parents=True, exist_ok=True)
         self._model_tags = model_tags
         self._on_checkpoint = on_checkpoint
+        self._on_register = on_register
         self._max_backoff_s = max_backoff_s
         self._cond = threading.Condition()
         self._queue: list[Path] = sorted(self._dir.glob("*.json"))  # left over from a crash: resume them
@@ -96,6 +99,13 @@ class ArtifactUploader:
             self._next += 1
         columns = {key: [row[key] for row in rows] for key in rows[0]} if rows else {}
         self._enqueue(job, {"kind": "table", "artifact_file": artifact_file, "data": columns})
+
+    def add_registration(self, data_source: str) -> None:
+        """Queue a best-checkpoint registration behind the uploads queued so far."""
+        with self._cond:
+            job = self._dir / f"{self._next:06d}-register.json"
+            self._next += 1
+        self._enqueue(job, {"kind": "register", "data_source": data_source})
 
     def _enqueue(self, job: Path, spec: dict) -> None:
         _write_json(job, spec)
@@ -159,6 +169,8 @@ class ArtifactUploader:
         spec = json.loads(job.read_text())
         if spec["kind"] == "checkpoint":
             self._upload_checkpoint(job, spec)
+        elif spec["kind"] == "register":
+            self._on_register(spec["data_source"])
         else:
             self._upload_table(spec)
         job.unlink()

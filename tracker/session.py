@@ -86,7 +86,8 @@ class RunSession:
         self._uploader = ArtifactUploader(
             client, run_id, experiment_id, self._state,
             model_tags={TAG_BASE_MODEL: config.training.base_model, TAG_LORA_RANK: str(config.training.lora_rank)},
-            on_checkpoint=self._checkpoint_landed, max_backoff_s=config.tracking.retry_max_backoff_s)
+            on_checkpoint=self._checkpoint_landed, on_register=self._register_in_background,
+            max_backoff_s=config.tracking.retry_max_backoff_s)
         self._checkpoint_steps = set(self._linked) | self._uploader.queued_checkpoint_steps()
         self._heartbeat_stop = threading.Event()
         threading.Thread(target=self._heartbeat, name="rlops-tracker-heartbeat", daemon=True).start()
@@ -203,6 +204,7 @@ class RunSession:
                 self._unlinked.setdefault(step, []).extend(points)
             else:
                 points = [_linked(p, model_id) for p in points]
+                self._queue_registration(points)
             for p in points:
                 self._note_eval_source(p.key)
             self._record_eval({"step": step, "points": [[p.key, p.value, p.timestamp_ms] for p in points]})
@@ -216,7 +218,9 @@ class RunSession:
         Returns None when no checkpoint carries that metric. Waits (bounded) for pending uploads."""
         if not self.flush(self.config.tracking.flush_timeout_s):
             log.warning("register_best: some checkpoints or metrics are still pending; choosing among landed ones")
-        source = data_source or self._default_eval_source()
+        return self._register(data_source or self._default_eval_source())
+
+    def _register(self, source: str) -> ModelVersion | None:
         key = eval_key(source, self.config.tracking.best_metric)
         models = registry.run_checkpoints(self._client, self._experiment_id, self._run_id)
         scored = registry.rank_checkpoints(models, key)
@@ -317,11 +321,26 @@ class RunSession:
             points = [_linked(p, model_id) for p in self._unlinked.pop(step, [])]
             self._record_eval({"step": step, "model_id": model_id})
             self._sender.submit(self._spool.append(points))
+            self._queue_registration(points)
+
+    def _queue_registration(self, linked: list[Point]) -> None:
+        """With `tracking.register_on_eval`, re-pick the best checkpoint of each eval set just linked."""
+        if not self.config.tracking.register_on_eval:
+            return
+        suffix = "/" + self.config.tracking.best_metric
+        for source in sorted({_eval_source(p.key) for p in linked if p.key.endswith(suffix)} - {None}):
+            self._uploader.add_registration(source)
+
+    def _register_in_background(self, data_source: str) -> None:
+        """Uploader thread: once the linked metrics have landed, register the current best."""
+        if not self._sender.flush(self.config.tracking.flush_timeout_s):
+            raise TimeoutError("linked eval metrics not acknowledged yet")  # the uploader retries the job
+        self._register(data_source)
 
     def _note_eval_source(self, key: str) -> None:
-        parts = key.split("/")
-        if len(parts) >= 3 and parts[0] == "eval" and parts[1] != "all":
-            self._eval_sources.add("/".join(parts[1:-1]))
+        source = _eval_source(key)
+        if source:
+            self._eval_sources.add(source)
 
     def _record_eval(self, record: dict) -> None:
         os.write(self._evals_fd, (json.dumps(record) + "\n").encode())
@@ -347,6 +366,14 @@ class RunSession:
 
 
 # ------------------------------------------------------------------------------------------ helpers
+
+
+def _eval_source(key: str) -> str | None:
+    """`eval/<data_source>/<metric>` -> data_source (None for other keys and SkyRL's `eval/all/*`)."""
+    parts = key.split("/")
+    if len(parts) >= 3 and parts[0] == "eval" and parts[1] != "all":
+        return "/".join(parts[1:-1])
+    return None
 
 
 def _linked(point: Point, model_id: str) -> Point:
