@@ -4,10 +4,10 @@ Ours: `sync_model` (what the webhook / reconciler / promote CLI run): server-sid
 immutable folder, sha256 of every copied file read back and checked, conditional manifest PUT.
 Baseline, measured in the same run on the same stack: the naive path, download the artifacts through the
 MLflow artifact proxy and re-upload them to the serving prefix, then PUT the manifest (no verification).
-Each run starts from an absent folder and manifest. Goal: >= 3x faster than the baseline and < 3 s.
+Each run starts from an absent folder and manifest; one warm-up run of each is not counted. Goal: >= 3x faster than the baseline and < 3 s.
 The trigger's own latency (webhook delivery, ~0.6 s in tests/test_promotion_hooks.py) is not included.
 
-Usage: python bench/promotion.py [--runs 3] [--size-mb 175]
+Usage: python bench/promotion.py [--runs 3] [--warmup 1] [--size-mb 175]
 """
 from __future__ import annotations
 
@@ -123,6 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--size-mb", type=int, default=175)
+    parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -140,13 +141,15 @@ def main() -> None:
             version = register(config, adapter)
             s3 = stack.s3_client(config, timeout_s=120)
             ours, naive = [], []
-            for i in range(args.runs):
+            for i in range(args.warmup + args.runs):  # warm-up runs (fresh server caches) are not counted
                 reset(config, s3, client)
                 ours.append(time_ours(config, client, version))
                 reset(config, s3, client)
                 naive.append(time_naive(config, client, s3, version))
-                print(f"run {i + 1}: sync (server-side copy + sha256 verify) {ours[-1]:.2f} s | "
+                label = "warm-up" if i < args.warmup else f"run {i + 1 - args.warmup}"
+                print(f"{label}: sync (server-side copy + sha256 verify) {ours[-1]:.2f} s | "
                       f"naive download+reupload via MLflow proxy {naive[-1]:.2f} s")
+            ours, naive = ours[args.warmup:], naive[args.warmup:]
         finally:
             stack.down(config)
     figure, baseline = statistics.median(ours), statistics.median(naive)
