@@ -2,7 +2,6 @@
 heartbeat sweep. Every point must land exactly once and the training thread must never wait on MLflow."""
 from __future__ import annotations
 
-import os
 import signal
 import statistics
 import subprocess

@@ -186,6 +186,7 @@ def test_skyrl_loop_lands_every_metric_checkpoint_eval_and_best_version(
     for step in (2, 3):
         linked = {m.key: m.value for m in models[step].metrics}
         assert linked[f"eval/{DATA_SOURCE}/avg_score"] == SCORES[step]
+        assert models[step].tags["rlops.base_model"] == cfg.trainer.policy.model.path  # the trainer's, not config's
         files = {f.path for f in mlflow_client.list_logged_model_artifacts(models[step].model_id)}
         assert files == {"adapter_config.json", "adapter_model.safetensors"}
 

@@ -64,7 +64,8 @@ class RunSession:
     """Use `RunSession.start(...)`, ideally as a context manager (exception -> FAILED,
     SIGTERM/KeyboardInterrupt -> KILLED, clean exit -> FINISHED)."""
 
-    def __init__(self, config: Config, run_dir: Path, client: MlflowClient, run_id: str, experiment_id: str):
+    def __init__(self, config: Config, run_dir: Path, client: MlflowClient, run_id: str, experiment_id: str,
+                 model_tags: dict[str, str]):
         self.config = config
         self.run_dir = Path(run_dir)
         self._state = state_dir(run_dir)
@@ -85,7 +86,7 @@ class RunSession:
         self._restore_eval_links()
         self._uploader = ArtifactUploader(
             client, run_id, experiment_id, self._state,
-            model_tags={TAG_BASE_MODEL: config.training.base_model, TAG_LORA_RANK: str(config.training.lora_rank)},
+            model_tags=model_tags,
             on_checkpoint=self._checkpoint_landed, on_register=self._register_in_background,
             max_backoff_s=config.tracking.retry_max_backoff_s)
         self._checkpoint_steps = set(self._linked) | self._uploader.queued_checkpoint_steps()
@@ -124,7 +125,9 @@ class RunSession:
             run_tags[TAG_RESUMES] = str(int(run.data.tags.get(TAG_RESUMES, "0")) + 1)
         _log_params_and_tags(client, run, redacted_params(params), run_tags)
         log.info("tracking run %s (%s) in %s", run.info.run_id, "resumed" if run_id else "new", config.tracking_uri)
-        return cls(config, run_dir, client, run.info.run_id, run.info.experiment_id)
+        # each checkpoint carries the run's base model and rank (the trainer's tags win over config defaults)
+        model_tags = {key: run_tags[key] for key in (TAG_BASE_MODEL, TAG_LORA_RANK)}
+        return cls(config, run_dir, client, run.info.run_id, run.info.experiment_id, model_tags)
 
     @property
     def run_id(self) -> str:
