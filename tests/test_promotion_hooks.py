@@ -12,11 +12,13 @@ import uuid
 import httpx
 import pytest
 import uvicorn
+from click.testing import CliRunner
 
 from registry_hooks import operations
-from registry_hooks.service import Metrics, Reconciler, create_app, register_webhook, webhook_name
+from registry_hooks.service import Metrics, Reconciler, create_app, webhook_name
 from registry_hooks.webhook import sign
 from rlops import processes
+from rlops.cli import main as rlops_cli
 from rlops.processes import free_port
 
 from conftest import write_config
@@ -82,9 +84,19 @@ def sample(metrics: Metrics, name: str, **labels) -> float:
     return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-def test_webhook_alone_promotes_within_seconds(stack, test_config, mlflow_client, hooks_service, version):
+def test_webhook_alone_promotes_within_seconds(stack, test_config, mlflow_client, hooks_service, version, tmp_path):
     cfg, reconciler, metrics, url = hooks_service(reconcile_interval_s=0)
-    register_webhook(cfg)
+    # `rlops hooks register` with the secret from the environment only; `config show` never prints it.
+    path = write_config(tmp_path / "mlflow.yaml", cfg.model_dump(exclude_none=True, exclude={"hooks": {"secret"}}))
+    runner = CliRunner()
+    env = {"RLOPS_HOOKS__SECRET": cfg.hooks.secret}
+    registered = runner.invoke(rlops_cli, ["--config", str(path), "hooks", "register"], env=env)
+    assert registered.exit_code == 0 and f"-> {url}/webhook" in registered.stdout, registered.output
+    shown = runner.invoke(rlops_cli, ["--config", str(path), "config", "show"], env=env)
+    assert shown.exit_code == 0 and cfg.hooks.secret not in shown.stdout and "secret: '****'" in shown.stdout
+    again = runner.invoke(rlops_cli, ["--config", str(path), "hooks", "register"], env=env)  # updates, no duplicate
+    assert again.exit_code == 0
+    assert [h.name for h in mlflow_client.list_webhooks(max_results=100)].count(webhook_name(cfg)) == 1
     model = cfg.registry.models[0]
     v1 = version(1)
     time.sleep(2.5)  # the server caches its webhook list for MLFLOW_WEBHOOK_CACHE_TTL (2 s in the embedded stack)
