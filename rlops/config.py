@@ -200,6 +200,10 @@ class TrainingConfig(_Section):
     hf_save_interval: int = Field(20, ge=1)
     gpu_memory_utilization: float = Field(0.45, gt=0, le=1)
     eval_data_source: str = "maze_2d/easy"
+    # Paths as the Ray cluster sees them (local or s3://); defaults live in the data dir.
+    datasets_path: str | None = Field(None, description="folder with skyrl/{train,eval}.parquet; default <data_dir>/datasets")
+    ckpt_path: str | None = Field(None, description="SkyRL checkpoints; default <data_dir>/skyrl/ckpt")
+    export_path: str | None = Field(None, description="SkyRL HF exports; default <data_dir>/skyrl/export")
     local: LocalTrainingConfig = Field(default_factory=LocalTrainingConfig)
 
 

@@ -1,0 +1,116 @@
+"""The production job: SkyRL GRPO + LoRA on Qwen3-VL for the VisGym maze, tracked by `tracker.skyrl`.
+
+Submitted by `training/train_job.sh` as `python -m training.skyrl_main <SkyRL overrides...>`. The
+recipe's overrides come from the `training` section of the rlops config (mlflow.yaml), printed by
+`--print-overrides` so the submitted command line shows them; later overrides win. Inside the Ray task
+the `visgym` env is registered and `TrackedPPOExp` (our run, our callback, HF-export archiving) runs.
+
+    python -m training.skyrl_main --print-overrides     # the recipe, one override per line
+    python -m training.skyrl_main --print-runtime-env   # Ray runtime env JSON (MLflow/S3/rlops env)
+    python -m training.skyrl_main [overrides...]         # run (on the cluster, inside `ray job submit`)
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Mapping, Sequence
+
+from rlops.config import Config, load_config
+
+# Forwarded to the Ray job (SkyRL itself forwards only MLFLOW_TRACKING_URI/TOKEN to a remote cluster).
+FORWARDED_ENV = (
+    "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+    "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "RLOPS_CONFIG", "HF_TOKEN",
+)
+
+
+def recipe_overrides(config: Config) -> list[str]:
+    """SkyRL CLI overrides for the VisGym maze recipe (the `training` section), in SkyRL current keys."""
+    training = config.training
+    datasets = (training.datasets_path or str(config.data_path / "datasets")).rstrip("/")
+    ckpt = training.ckpt_path or str(config.data_path / "skyrl" / "ckpt")
+    export = training.export_path or str(config.data_path / "skyrl" / "export")
+    return [
+        f"trainer.policy.model.path={training.base_model}",
+        f"trainer.policy.model.lora.rank={training.lora_rank}",
+        f"trainer.policy.model.lora.alpha={training.lora_alpha}",
+        "trainer.algorithm.advantage_estimator=grpo",
+        "trainer.placement.colocate_all=true",
+        "trainer.strategy=fsdp",
+        f"generator.inference_engine.gpu_memory_utilization={training.gpu_memory_utilization}",
+        f"generator.n_samples_per_prompt={training.n_samples_per_prompt}",
+        f"generator.max_turns={training.max_turns}",
+        "generator.vision_language_generator=true",
+        "generator.batched=false",
+        "generator.use_conversation_multi_turn=true",
+        "trainer.remove_microbatch_padding=false",
+        f"trainer.eval_interval={training.eval_interval}",
+        f"trainer.ckpt_interval={training.ckpt_interval}",
+        f"trainer.hf_save_interval={training.hf_save_interval}",
+        "trainer.resume_mode=latest",
+        f"trainer.ckpt_path={ckpt}",
+        f"trainer.export_path={export}",
+        "trainer.logger=mlflow",
+        f"trainer.project_name={config.tracking.experiment}",
+        "environment.env_class=visgym",
+        f"data.train_data=['{datasets}/skyrl/train.parquet']",
+        f"data.val_data=['{datasets}/skyrl/eval.parquet']",
+    ]
+
+
+def runtime_env(config: Config, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The Ray runtime env of the job: MLflow, S3 and rlops variables of this shell (written to a 0600
+    file by train_job.sh, so credentials never appear on a command line)."""
+    environ = os.environ if environ is None else environ
+    env_vars = {"MLFLOW_TRACKING_URI": config.tracking_uri}
+    env_vars.update({k: environ[k] for k in FORWARDED_ENV if environ.get(k)})
+    env_vars.update({k: v for k, v in environ.items() if k.startswith("RLOPS_") and v})
+    return {"env_vars": env_vars}
+
+
+def build_skyrl_config(overrides: Sequence[str]):
+    """Parse and validate the overrides with SkyRL's own config classes (raises on an unknown key)."""
+    from tracker import compat  # noqa: F401  (before SkyRL on Python 3.11)
+    from skyrl.train.config import SkyRLTrainConfig
+    from skyrl.train.utils import validate_cfg
+
+    cfg = SkyRLTrainConfig.from_cli_overrides(list(overrides))
+    validate_cfg(cfg)
+    return cfg
+
+
+def run_experiment(cfg, config: Config) -> None:
+    """Inside the Ray task: register the env, then run the tracked experiment."""
+    from tracker.skyrl import TrackedPPOExp
+    from training.skyrl_env import register_visgym_env
+
+    register_visgym_env()
+    TrackedPPOExp(cfg, config, eval_data_source=config.training.eval_data_source).run()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    config = load_config()
+    if args[:1] == ["--print-overrides"]:
+        print("\n".join(recipe_overrides(config)))
+        return
+    if args[:1] == ["--print-runtime-env"]:
+        print(json.dumps(runtime_env(config), indent=2))
+        return
+    bad = [a for a in args if "=" not in a or a.startswith("-")]
+    if bad:
+        raise SystemExit(f"skyrl_main: expected SkyRL overrides key=value, got {bad}")
+    cfg = build_skyrl_config(args)
+
+    import ray
+    from skyrl.train.utils.utils import initialize_ray
+
+    initialize_ray(cfg)
+    # The training loop runs in a Ray task (never on the head node), as SkyRL's own entrypoint does.
+    ray.get(ray.remote(num_cpus=1)(run_experiment).remote(cfg, config))
+
+
+if __name__ == "__main__":
+    main()
