@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
+from registry_hooks.adapter import InvalidAdapter
 from rlops.config import Config
 from rlops.layout import S3Location, parse_s3_uri
 
@@ -109,7 +110,12 @@ def version_source(client: MlflowClient, model: str, version: int) -> VersionSou
     artifact_uri = mv.source
     model_id = mv.model_id or (mv.source[len("models:/"):] if mv.source.startswith("models:/") else None)
     if model_id and "/" not in model_id:
-        logged = client.get_logged_model(model_id)
+        try:
+            logged = client.get_logged_model(model_id)
+        except MlflowException as exc:
+            if _not_found(exc):
+                raise InvalidAdapter(f"the version's logged model {model_id} no longer exists") from None
+            raise
         artifact_uri = logged.artifact_location
         source_tags = dict(logged.tags or {})
     recorded = {**version_tags, **source_tags}

@@ -180,3 +180,12 @@ def test_complete_folder_with_other_content_is_never_rewritten(stack, test_confi
     assert report.served == {} and "not rewritten" in report.refused["production"]["reason"]
     assert version_folder(model, v1) not in report.refused["production"]["reason"]
     assert folder_objects(stack, test_config, version_folder(model, v1)) == {ADAPTER_CONFIG: b"{}", ADAPTER_WEIGHTS: b"stale"}
+
+
+def test_version_whose_logged_model_was_deleted_is_refused(stack, test_config, mlflow_client, registered):
+    model = test_config.registry.models[0]
+    v1 = registered(seed=1)
+    mlflow_client.delete_logged_model(mlflow_client.get_model_version(model, str(v1)).source[len("models:/"):])
+    mlflow_client.set_registered_model_alias(model, "production", str(v1))
+    report = sync_model(test_config, model, trigger="test")
+    assert report.served == {} and "no longer exists" in report.refused["production"]["reason"]
