@@ -144,6 +144,8 @@ class ServingConfig(_Section):
     max_replicas: int = Field(1, ge=1)
     replica_cpus: float = Field(1.0, gt=0, description="CPUs reserved per LLM replica and per ingress replica")
     local_num_cpus: int = Field(4, ge=1, description="logical CPUs of the local Ray started by `rlops serve`")
+    metrics_port: int | None = Field(None, ge=1, le=65535,
+                                     description="Prometheus port of the local Ray started by `rlops serve`")
     api_keys_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                                      description="env var with comma-separated API keys; unset = no auth")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)

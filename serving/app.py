@@ -132,7 +132,8 @@ def run(config: Config, environ: Mapping[str, str], *, blocking: bool = True) ->
     serving = config.serving
     env = job_environment(config, environ)
     # address="local": always a fresh Ray of our own, never a cluster some other tool started here.
-    ray.init(address="local", num_cpus=serving.local_num_cpus, runtime_env={"env_vars": env}, include_dashboard=False)
+    ray.init(address="local", num_cpus=serving.local_num_cpus, runtime_env={"env_vars": env}, include_dashboard=False,
+             _metrics_export_port=serving.metrics_port)
     app = build_app(config)
     serve.start(http_options={"host": serving.host, "port": serving.port})
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=blocking)

@@ -28,7 +28,8 @@ from ray.serve.llm.ingress import OpenAiIngress
 from rlops.layout import ModelNameError, Resolution, parse_s3_uri
 from serving.routes import RoutesCache, internal_model_id
 
-log = logging.getLogger("rlops.serving")
+# A child of Ray Serve's logger: replica logs with its request/replica context, at its level.
+log = logging.getLogger("ray.serve.rlops")
 
 VERSION_HEADER = "x-rlops-model-version"
 ALIAS_HEADER = "x-rlops-model-alias"

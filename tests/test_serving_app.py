@@ -213,7 +213,7 @@ def served(stack, tmp_path_factory) -> ServedApp:
             "model_source": str(base_dir), "dynamic_lora_loading_path": f"s3://{stack.config.storage.bucket}/lora-serving-{suffix}",
             "engine": "transformers", "port": processes.free_port(), "replica_cpus": 0.5, "routes_staleness_s": STALENESS_S,
             "api_keys_env": API_KEY_ENV, "max_request_bytes": 2 * 1024 * 1024,
-            "cpu_threads": 1, "default_max_tokens": 16,
+            "cpu_threads": 1, "default_max_tokens": 16, "metrics_port": processes.free_port(),
         },
     }
     config_path = root / "mlflow.yaml"
@@ -356,6 +356,31 @@ def test_api_keys_are_enforced(served: ServedApp):
 
     with pytest.raises(AuthenticationError):
         OpenAI(base_url=f"{served.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+
+
+def test_metrics_per_alias_and_logs_without_secrets(served: ServedApp):
+    """Prometheus metrics (Ray Serve's metrics API) carry the resolved alias/version; logs carry no secrets."""
+    served.openai().chat.completions.create(model=served.name("@staging"), messages=chat_messages(False), max_tokens=2)
+    metrics_url = f"http://127.0.0.1:{served.config.serving.metrics_port}/metrics"
+    deadline = time.monotonic() + 40
+    lines: list[str] = []
+    while time.monotonic() < deadline:  # Ray exports metrics every few seconds
+        try:
+            text = httpx.get(metrics_url, timeout=5).text
+        except httpx.HTTPError:
+            text = ""
+        lines = [line for line in text.splitlines() if line.startswith("ray_rlops_serving_requests")]
+        if any('alias="staging"' in line and 'version="2"' in line for line in lines):
+            break
+        time.sleep(2)
+    assert any('alias="staging"' in line and 'version="2"' in line for line in lines), lines[:5]
+    assert not any(f"{served.model}-v" in line for line in lines)  # folders are not label values
+    log = (served.config.data_path / "logs" / "serve.log").read_text(errors="replace")
+    assert '"event": "request"' in log
+    assert API_KEY not in log and os.environ.get("AWS_SECRET_ACCESS_KEY", "\0") not in log
+    from rlops.config import s3_credentials
+
+    assert s3_credentials(served.config)[1] not in log
 
 
 # Tests below move aliases: they run last and put production back on v1.

@@ -33,7 +33,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
 from vllm.entrypoints.openai.completion.protocol import CompletionResponseChoice, CompletionResponseStreamChoice
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
-log = logging.getLogger("rlops.serving.engine")
+log = logging.getLogger("ray.serve.rlops.engine")
 
 DEFAULT_MAX_TOKENS = 256
 

@@ -22,7 +22,7 @@ from typing import Any
 from rlops.layout import ADAPTER_CONFIG, is_allowed_adapter_file
 from serving.engines.base import EngineRequestError, Prepared, Sampling, TextGenerationEngine
 
-log = logging.getLogger("rlops.serving.engine")
+log = logging.getLogger("ray.serve.rlops.engine")
 
 MAX_IMAGES_PER_REQUEST = 8
 
