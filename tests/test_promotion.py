@@ -4,7 +4,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-from mlflow import MlflowClient
 
 from registry_hooks import NotFound, sync_model
 from registry_hooks.sync import Promoter
@@ -14,7 +13,6 @@ from test_promotion_support import (  # noqa: F401 - fixtures
     assert_manifest_consistent,
     folder_objects,
     lora_template,
-    read_manifest,
     register_version,
     write_adapter,
 )

@@ -22,7 +22,6 @@ from test_promotion_support import (  # noqa: F401 - fixtures
     assert_manifest_consistent,
     folder_objects,
     lora_template,
-    read_manifest,
     register_version,
     write_adapter,
 )
