@@ -204,7 +204,7 @@ def ensure_base(config: Config, *, log: Callable[[str], None] = print) -> Path:
     local = config.training.local
     if local.base_model:
         check_fits_machine(local.base_model)
-        return Path(local.base_model) if Path(local.base_model).is_dir() else Path(local.base_model)
+        return Path(local.base_model)  # an HF id stays a relative "path" that from_pretrained resolves
     out = sft_base_dir(config)
     marker = out / SFT_MARKER
     settings = _sft_settings(config)
