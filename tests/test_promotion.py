@@ -67,6 +67,11 @@ def test_sync_follows_alias_moves_and_deletes(stack, test_config, mlflow_client,
     assert report.removed == ["staging"] and set(manifest.aliases) == {"production"}
     assert [(h.alias, h.version) for h in manifest.history] == [("production", v1), ("staging", v2), ("production", v2)]
 
+    mlflow_client.delete_registered_model(model)  # a deleted registered model serves nothing any more
+    report = sync_model(test_config, model, trigger="test")
+    assert report.served == {} and report.removed == ["production"]
+    assert assert_manifest_consistent(stack, test_config).aliases == {}
+
 
 def test_legacy_production_stage_counts_only_without_alias(stack, test_config, mlflow_client, registered):
     model = test_config.registry.models[0]
