@@ -103,7 +103,15 @@ dry_run_option = click.option("--dry-run", is_flag=True, help="Validate and show
               help="Config file (default: ./mlflow.yaml, else embedded defaults).")
 @click.pass_context
 def main(ctx: click.Context, config_path: str | None) -> None:
-    """Promote registered adapter versions to served aliases (registry alias -> immutable S3 folder)."""
+    """Promote registered adapter versions to served aliases (registry alias -> immutable S3 folder).
+
+    \b
+      promote MODEL --version N --to production     [--force] [--dry-run] [--json]
+      promote MODEL --from staging --to production
+
+    Exit codes: 0 done, 1 error, 2 usage, 3 unknown model/version/alias, 4 refused (invalid adapter or
+    eval guardrail), 5 no convergence, 6 status found drift or refusals.
+    """
     ctx.obj = config_path
 
 

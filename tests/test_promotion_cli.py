@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -115,8 +116,8 @@ def test_promote_cli_errors_have_specific_messages_and_exit_codes(stack, test_co
 
 def test_promote_console_script_runs(stack, cli):
     """The installed `promote` entry point (not just the click object) answers with the documented exit code."""
-    proc = subprocess.run([sys.executable, "-c", "from registry_hooks.cli import main; main()",
-                           "--config", str(cli.config_path), "status", "--json"],
+    promote = Path(sys.executable).parent / "promote"
+    proc = subprocess.run([str(promote), "--config", str(cli.config_path), "status", "--json"],
                           env=stack.env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["in_sync"] is True
