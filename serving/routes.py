@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 from urllib.parse import unquote
 from xml.etree import ElementTree
 
@@ -108,23 +107,20 @@ class RoutesCache:
     """
 
     def __init__(self, s3_client, location: S3Location, *, base_model_id: str, served_aliases: Iterable[str],
-                 default_alias: str, staleness_s: float, clock: Callable[[], float] = time.time):
+                 default_alias: str, staleness_s: float):
         self._s3 = s3_client  # must sign with SigV4 (presigned listing URLs)
         self._http = httpx.Client(timeout=httpx.Timeout(5.0, connect=2.0))
         self._location = location
         self._staleness_s = staleness_s
-        self._clock = clock
         self._etags: dict[str, str] = {}
         self._manifests: dict[str, RoutesManifest] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.table = RoutesTable(base_model_id, tuple(served_aliases), default_alias)
-        self.refreshed_at = 0.0  # clock() at the start of the last successful listing
         self.last_error: str | None = None
 
     def refresh(self) -> bool:
         """One listing pass; True if the table changed. Called from one thread at a time."""
-        started = self._clock()
         try:
             listing = self._list()
         except Exception as exc:  # noqa: BLE001 - an outage must not take routing down
@@ -158,7 +154,6 @@ class RoutesCache:
         if changed:
             table = self.table
             self.table = RoutesTable(table.base_model_id, table.served_aliases, table.default_alias, dict(self._manifests))
-        self.refreshed_at = started
         if not failed:
             self.last_error = None
         return changed

@@ -65,7 +65,8 @@ def sampling_from_request(request: Any, default_max_tokens: int, max_model_token
         raise EngineRequestError("'n' must be 1 on this engine.")
     if getattr(request, "logprobs", None) or getattr(request, "use_beam_search", False):
         raise EngineRequestError("'logprobs' and beam search are not supported on this engine.")
-    max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens or default_max_tokens
+    max_tokens = next((v for v in (getattr(request, "max_completion_tokens", None), request.max_tokens) if v is not None),
+                      default_max_tokens)
     if max_tokens < 1:
         raise EngineRequestError("'max_tokens' must be at least 1.")
     if max_model_tokens is not None and max_tokens > max_model_tokens:

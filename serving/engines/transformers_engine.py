@@ -98,13 +98,21 @@ class _TokenBridge:
             self._prompt_seen = True
             return
         for token in value.reshape(-1).tolist():
-            self._loop.call_soon_threadsafe(self.queue.put_nowait, int(token))
+            self._send(int(token))
 
     def end(self) -> None:
-        self._loop.call_soon_threadsafe(self.queue.put_nowait, None)
+        self._send(None)
 
     def fail(self, exc: BaseException) -> None:
-        self._loop.call_soon_threadsafe(self.queue.put_nowait, exc)
+        self._send(exc)
+
+    def _send(self, item) -> None:
+        if self.cancelled.is_set():
+            return  # the request is gone; nobody reads the queue any more
+        try:
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # its event loop has closed
+            self.cancelled.set()
 
 
 class TransformersEngine(TextGenerationEngine):
