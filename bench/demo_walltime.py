@@ -53,7 +53,7 @@ def main() -> None:
     print(f"fixed-eval solve rate before GRPO {summary['solve_rate_before']} -> after {summary['solve_rate_after']}; "
           f"served v{summary['served_version']} answered {summary['answer']!r} (solved: {summary['solved']})")
     name = "demo_walltime.py" + (" --fast" if args.fast else "")
-    record(name, total, "s", budget, total / budget, f"whole `{' '.join(cmd[3:5])}` < {budget:.0f} s after installs (baseline = budget)")
+    record(name, total, "s", budget, total / budget, f"whole `rlops demo{' --fast' if args.fast else ''}` < {budget:.0f} s after installs (baseline = budget)")
 
 
 if __name__ == "__main__":
