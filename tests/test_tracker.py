@@ -13,7 +13,8 @@ from tracker.checkpoints import TAG_SHA256, TAG_STEP, sha256_of
 from tracker.naming import eval_key, metric_key, redacted_params, split_param_changes
 from tracker.registry import rank_checkpoints, retention_victims
 from tracker.session import STATE_DIR, TAG_EXCEPTION_MESSAGE, TAG_EXCEPTION_TYPE, TAG_PARAM_CHANGED
-from tracker.spool import MetricSpool, Point, decode
+from tracker.sender import MetricSender
+from tracker.spool import MetricSpool, decode, encode
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +47,43 @@ def test_params_are_flattened_and_redacted():
 
 def test_spool_replays_only_unacknowledged_points(tmp_path):
     spool = MetricSpool(tmp_path)
-    spooled = spool.append([Point("m", float(i), 1000 + i, i) for i in range(5)] + [Point("n", math.nan, 1, 9)])
-    assert [s.seq for s in spooled] == [1, 2, 3, 4, 5, 6]
-    assert json.loads(spooled[0].body) == {"key": "m", "value": 0.0, "timestamp": 1000, "step": 0}
+    first = spool.append([encode("m", float(i), 1000 + i, i) for i in range(5)])
+    second = spool.append([encode("n", math.nan, 1, 9)])
+    assert (first.first_seq, first.last_seq, second.first_seq) == (1, 5, 6)
+    assert json.loads(first.bodies[0]) == {"key": "m", "value": 0.0, "timestamp": 1000, "step": 0}
     spool.acknowledge(3)
     spool.close()
     with (tmp_path / "spool.jsonl").open("a") as fh:
         fh.write('7\t{"key":"torn')  # a crash mid-line
     reopened = MetricSpool(tmp_path)
-    pending = [decode(s.body) for s in reopened.unacknowledged()]
-    assert [(p.key, p.step) for p in pending] == [("m", 3), ("m", 4), ("n", 9)]
-    assert math.isnan(pending[-1].value) and json.loads(reopened.unacknowledged()[-1].body)["value"] == "NaN"
-    assert reopened.append([Point("m", 1.0, 1, 1, "m-123")])[0].seq == 7
+    [pending] = reopened.unacknowledged()
+    points = [decode(body) for body in pending.bodies]
+    assert pending.first_seq == 4 and [(p.key, p.step) for p in points] == [("m", 3), ("m", 4), ("n", 9)]
+    assert math.isnan(points[-1].value) and json.loads(pending.bodies[-1])["value"] == "NaN"
+    assert reopened.append([encode("m", 1.0, 1, 1, "m-123")]).first_seq == 7
     reopened.acknowledge(7)
     reopened.close()
     assert MetricSpool(tmp_path).unacknowledged() == []
+
+
+def test_sender_splits_chunks_into_batches_in_order(tmp_path):
+    class Recorder:  # stands in for the REST client: records what would be posted
+        timeout_s = 1.0
+
+        def __init__(self):
+            self.batches = []
+
+        def log_metrics(self, run_id, bodies, timeout_s=None):
+            self.batches.append([decode(b).step for b in bodies])
+
+    spool, rest = MetricSpool(tmp_path), Recorder()
+    sender = MetricSender(spool, rest, "run", batch_size=3, max_backoff_s=1)
+    for chunk in ([0, 1], [2, 3, 4, 5, 6], [7]):
+        sender.submit(spool.append([encode("m", 1.0, 1, step) for step in chunk]))
+    assert sender.flush(10) and spool.acked == 8
+    sender.stop()
+    assert [s for batch in rest.batches for s in batch] == list(range(8))
+    assert all(len(batch) <= 3 for batch in rest.batches)
 
 
 def test_ranking_and_retention_are_pure():

@@ -7,7 +7,7 @@ import time
 from collections import deque
 
 from tracker.rest import MAX_METRICS_PER_BATCH, MlflowRest
-from tracker.spool import MetricSpool, Spooled
+from tracker.spool import Chunk, MetricSpool
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,9 @@ class MetricSender:
         self._run_id = run_id
         self._batch_size = min(batch_size, MAX_METRICS_PER_BATCH)
         self._max_backoff_s = max_backoff_s
-        self._queue: deque[Spooled] = deque()
+        self._queue: deque[Chunk] = deque()
+        self._offset = 0  # points of the head chunk already acknowledged
+        self._queued_points = 0
         self._cond = threading.Condition()
         self._stopping = False
         self._submitted = spool.acked
@@ -35,13 +37,14 @@ class MetricSender:
         self._thread = threading.Thread(target=self._run, name="rlops-tracker-sender", daemon=True)
         self._thread.start()
 
-    def submit(self, points: list[Spooled]) -> None:
-        if not points:
+    def submit(self, chunk: Chunk) -> None:
+        if not chunk.bodies:
             return
         with self._cond:
-            self._queue.extend(points)
-            self._submitted = max(self._submitted, points[-1].seq)
-            self._cond.notify_all()
+            self._queue.append(chunk)
+            self._queued_points += len(chunk.bodies)
+            self._submitted = max(self._submitted, chunk.last_seq)
+            self._cond.notify()
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until everything submitted so far is acknowledged; False if the bound ran out."""
@@ -64,7 +67,32 @@ class MetricSender:
     @property
     def pending(self) -> int:
         with self._cond:
-            return len(self._queue)
+            return self._queued_points
+
+    def _next_batch(self) -> tuple[list[str], int]:
+        """Up to batch_size bodies from the head of the queue (under the lock) and the last seq in them."""
+        bodies: list[str] = []
+        offset, last_seq = self._offset, 0
+        for chunk in self._queue:
+            take = chunk.bodies[offset:offset + self._batch_size - len(bodies)]
+            bodies += take
+            last_seq = chunk.first_seq + offset + len(take) - 1
+            offset = 0
+            if len(bodies) >= self._batch_size:
+                break
+        return bodies, last_seq
+
+    def _acknowledged(self, count: int) -> None:
+        """Drop `count` sent points from the head of the queue (under the lock)."""
+        self._queued_points -= count
+        while count:
+            head = self._queue[0]
+            left = len(head.bodies) - self._offset
+            if count >= left:
+                self._queue.popleft()
+                self._offset, count = 0, count - left
+            else:
+                self._offset, count = self._offset + count, 0
 
     def _run(self) -> None:
         backoff = 0.0
@@ -75,13 +103,13 @@ class MetricSender:
                     self._cond.wait()
                 if self._stopping:
                     return  # unacknowledged points stay in the spool for the next start
-                batch = [self._queue[i] for i in range(min(self._batch_size, len(self._queue)))]
+                bodies, last_seq = self._next_batch()
             try:
                 self._spool.sync()  # off the training thread: the points now survive the node too
                 # A timed-out request keeps running on the server; waiting longer on the retry avoids
                 # piling duplicate work onto a server that is only slow.
                 timeout_s = self._rest.timeout_s * 2 ** min(timeouts, MAX_TIMEOUT_DOUBLINGS)
-                self._rest.log_metrics(self._run_id, [p.body for p in batch], timeout_s=timeout_s)
+                self._rest.log_metrics(self._run_id, bodies, timeout_s=timeout_s)
             except Exception as exc:  # noqa: BLE001 - any failure is retried; the spool keeps the points
                 self.failed_requests += 1
                 timeouts = timeouts + 1 if "timed out" in str(exc).lower() else 0
@@ -94,9 +122,8 @@ class MetricSender:
                 continue
             backoff, timeouts = 0.0, 0
             self.last_error = None
-            self._spool.acknowledge(batch[-1].seq)
-            self.sent_points += len(batch)
+            self._spool.acknowledge(last_seq)
+            self.sent_points += len(bodies)
             with self._cond:
-                for _ in batch:
-                    self._queue.popleft()
+                self._acknowledged(len(bodies))
                 self._cond.notify_all()

@@ -28,7 +28,7 @@ from tracker.checkpoints import TABLE_DIR, TAG_BASE_MODEL, TAG_LORA_RANK, Artifa
 from tracker.naming import as_float, eval_key, metric_key, redacted_params, split_param_changes
 from tracker.rest import MAX_TAGS_PER_BATCH, MlflowRest
 from tracker.sender import MetricSender
-from tracker.spool import MetricSpool, Point
+from tracker.spool import MetricSpool, Point, encode
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ class RunSession:
         self._spool = MetricSpool(self._state)
         self._sender = MetricSender(self._spool, self._rest, run_id, batch_size=config.tracking.batch_size,
                                     max_backoff_s=config.tracking.retry_max_backoff_s)
-        self._sender.submit(self._spool.unacknowledged())
+        for chunk in self._spool.unacknowledged():
+            self._sender.submit(chunk)
         self._evals_fd = os.open(self._state / EVALS_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self._restore_eval_links()
         self._uploader = ArtifactUploader(
@@ -156,8 +157,9 @@ class RunSession:
         if not isinstance(metrics, Mapping):
             raise TypeError(f"metrics must be a mapping of name -> number, got {type(metrics).__name__}")
         now = int(time.time() * 1000)
-        points = [Point(metric_key(k), as_float(k, v), now, step) for k, v in metrics.items()]
-        self._sender.submit(self._spool.append(points))
+        # strings only, no per-point objects: the hot path should not wake the garbage collector
+        bodies = [encode(metric_key(k), as_float(k, v), now, step) for k, v in metrics.items()]
+        self._sender.submit(self._spool.append(bodies))
 
     def log_checkpoint(self, adapter_dir: Path, step: int) -> bool:
         """Snapshot the adapter folder now (the trainer may delete it next); upload in the background.
@@ -211,7 +213,7 @@ class RunSession:
             for p in points:
                 self._note_eval_source(p.key)
             self._record_eval({"step": step, "points": [[p.key, p.value, p.timestamp_ms] for p in points]})
-            self._sender.submit(self._spool.append(points))
+            self._send(points)
 
     # ------------------------------------------------------------------------------- registration
 
@@ -323,8 +325,11 @@ class RunSession:
             self._linked[step] = model_id
             points = [_linked(p, model_id) for p in self._unlinked.pop(step, [])]
             self._record_eval({"step": step, "model_id": model_id})
-            self._sender.submit(self._spool.append(points))
+            self._send(points)
             self._queue_registration(points)
+
+    def _send(self, points: list[Point]) -> None:
+        self._sender.submit(self._spool.append([encode(*p) for p in points]))
 
     def _queue_registration(self, linked: list[Point]) -> None:
         """With `tracking.register_on_eval`, re-pick the best checkpoint of each eval set just linked."""
@@ -365,7 +370,7 @@ class RunSession:
         for record in records:
             for key, _, _ in record.get("points", []):
                 self._note_eval_source(key)
-        self._sender.submit(self._spool.append(relink))
+        self._send(relink)
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -17,7 +17,7 @@ import os
 import threading
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 SPOOL_FILE = "spool.jsonl"
 ACK_FILE = "spool.ack"
@@ -31,9 +31,16 @@ class Point(NamedTuple):
     model_id: str | None = None
 
 
-class Spooled(NamedTuple):
-    seq: int
-    body: str  # the point as REST `Metric` JSON
+class Chunk(NamedTuple):
+    """Consecutive spooled points: `bodies[i]` has sequence number `first_seq + i`. The training thread
+    hands over one chunk per call, not one object per point, so it feeds the garbage collector little."""
+
+    first_seq: int
+    bodies: list[str]  # each point as REST `Metric` JSON
+
+    @property
+    def last_seq(self) -> int:
+        return self.first_seq + len(self.bodies) - 1
 
 
 @lru_cache(maxsize=65536)
@@ -41,17 +48,15 @@ def _json_string(text: str) -> str:
     return json.dumps(text)
 
 
-def encode(point: Point) -> str:
+def encode(key: str, value: float, timestamp_ms: int, step: int, model_id: str | None = None) -> str:
     """REST `Metric` JSON; non-finite values use protobuf-JSON's string names."""
-    value = point.value
     if math.isfinite(value):
         number = repr(value)
     else:
         number = '"NaN"' if math.isnan(value) else ('"Infinity"' if value > 0 else '"-Infinity"')
-    body = '{"key":%s,"value":%s,"timestamp":%d,"step":%d' % (_json_string(point.key), number,
-                                                               point.timestamp_ms, point.step)
-    if point.model_id:
-        body += ',"model_id":%s' % _json_string(point.model_id)
+    body = '{"key":%s,"value":%s,"timestamp":%d,"step":%d' % (_json_string(key), number, timestamp_ms, step)
+    if model_id:
+        body += ',"model_id":%s' % _json_string(model_id)
     return body + "}"
 
 
@@ -60,13 +65,13 @@ def decode(body: str) -> Point:
     return Point(row["key"], float(row["value"]), int(row["timestamp"]), int(row["step"]), row.get("model_id"))
 
 
-def _parse_line(line: str) -> Spooled | None:
+def _parse_line(line: str) -> tuple[int, str] | None:
     seq, sep, body = line.rstrip("\n").partition("\t")
     if not sep:
         return None
     try:
         decode(body)
-        return Spooled(int(seq), body)
+        return int(seq), body
     except (ValueError, KeyError, TypeError):
         return None  # a torn last line from a crash mid-write: that point was never acknowledged either
 
@@ -82,8 +87,8 @@ class MetricSpool:
         self._lock = threading.Lock()
         self.acked = self._read_ack()
         existing = self._read()
-        self._pending_at_open = [s for s in existing if s.seq > self.acked]
-        self._next_seq = max((s.seq for s in existing), default=self.acked) + 1
+        self._pending_at_open = [(seq, body) for seq, body in existing if seq > self.acked]
+        self._next_seq = max((seq for seq, _ in existing), default=self.acked) + 1
         if existing and not self._pending_at_open:
             self._path.write_text("")  # everything landed; numbering stays monotonic via the watermark
         # O_APPEND + one os.write per call: a kill -9 leaves whole lines in the page cache.
@@ -93,20 +98,24 @@ class MetricSpool:
     def last_seq(self) -> int:
         return self._next_seq - 1
 
-    def unacknowledged(self) -> list[Spooled]:
+    def unacknowledged(self) -> list[Chunk]:
         """Points from earlier sessions that MLflow never acknowledged, in order (read at open)."""
-        return list(self._pending_at_open)
+        chunks: list[Chunk] = []
+        for seq, body in self._pending_at_open:
+            if chunks and chunks[-1].last_seq + 1 == seq:
+                chunks[-1].bodies.append(body)
+            else:
+                chunks.append(Chunk(seq, [body]))
+        return chunks
 
-    def append(self, points: Iterable[Point]) -> list[Spooled]:
-        """Number, encode and write the points (one write call); returns them as spooled."""
-        bodies = [encode(p) for p in points]
+    def append(self, bodies: list[str]) -> Chunk:
+        """Number and write encoded points (one write call)."""
         with self._lock:
-            first = self._next_seq
+            chunk = Chunk(self._next_seq, bodies)
             self._next_seq += len(bodies)
-            spooled = [Spooled(first + i, body) for i, body in enumerate(bodies)]
-            if spooled:
-                os.write(self._fd, "".join(f"{s.seq}\t{s.body}\n" for s in spooled).encode())
-        return spooled
+            if bodies:
+                os.write(self._fd, "".join([f"{chunk.first_seq + i}\t{b}\n" for i, b in enumerate(bodies)]).encode())
+        return chunk
 
     def sync(self) -> None:
         """fsync the spool, so it also survives the node (called off the training thread)."""
@@ -132,8 +141,8 @@ class MetricSpool:
         except (FileNotFoundError, ValueError):
             return 0
 
-    def _read(self) -> list[Spooled]:
+    def _read(self) -> list[tuple[int, str]]:
         if not self._path.exists():
             return []
         with self._path.open() as fh:
-            return [s for line in fh if (s := _parse_line(line)) is not None]
+            return [row for line in fh if (row := _parse_line(line)) is not None]
