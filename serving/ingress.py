@@ -184,20 +184,18 @@ class IngressMetrics:
 class AliasIngress(OpenAiIngress):
     """Plugged into `build_openai_app` with `ingress_cls_config` (`serving.ingress:AliasIngress`)."""
 
-    def __init__(self, llm_deployments, model_cards, *, lora_paths=None, settings: Mapping[str, Any],
-                 s3_client=None, **kwargs):
+    def __init__(self, llm_deployments, model_cards, *, lora_paths=None, settings: Mapping[str, Any], **kwargs):
+        import boto3
+        from botocore.config import Config as BotoConfig
+
         super().__init__(llm_deployments, model_cards, lora_paths=lora_paths, **kwargs)
         self._settings = IngressSettings.model_validate(dict(settings))
         # The replica is an entry point: keys come from its environment (a Kubernetes secret in the cluster).
         self._api_keys = api_key_digests(os.environ, self._settings.api_keys_env)
-        if s3_client is None:
-            import boto3
-            from botocore.config import Config as BotoConfig
-
-            # boto3 reads AWS_ENDPOINT_URL / AWS_REGION / credentials from the job-level runtime env, as Ray's
-            # own LoRA downloader does; short timeouts keep a dead S3 from stalling the refresh thread.
-            s3_client = boto3.client("s3", config=BotoConfig(connect_timeout=2, read_timeout=5, signature_version="s3v4",
-                                                             retries={"max_attempts": 2}))
+        # boto3 reads AWS_ENDPOINT_URL / AWS_REGION / credentials from the job-level runtime env, as Ray's own
+        # LoRA downloader does; short timeouts keep a dead S3 from stalling the refresh thread.
+        s3_client = boto3.client("s3", config=BotoConfig(connect_timeout=2, read_timeout=5, signature_version="s3v4",
+                                                         retries={"max_attempts": 2}))
         self._routes = RoutesCache(
             s3_client, parse_s3_uri(self._settings.lora_path), base_model_id=self._settings.base_model_id,
             served_aliases=self._settings.served_aliases, default_alias=self._settings.default_alias,
@@ -280,7 +278,9 @@ class AliasIngress(OpenAiIngress):
     async def _read_body(self, request: Request) -> bytes:
         limit = self._settings.max_request_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        if declared is not None and not declared.isdigit():
+            raise ClientError(400, "Invalid Content-Length header.", code="invalid_request")
+        if declared is not None and int(declared) > limit:
             raise ClientError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
         chunks, size = [], 0
         async for chunk in request.stream():
