@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 from mlflow.entities import Metric
 
@@ -111,7 +112,8 @@ def test_run_logs_everything_and_registers_best(test_config, tmp_path, mlflow_cl
         session.log_checkpoint(adapters[0], step=2)
         session.log_eval("maze_2d/local7", 0.25, [{"seed": 0, "solved": False, "steps": 15, "final_distance": 3}],
                          step=2)
-        session.log_eval("maze_2d/local7", 0.75, [{"seed": 0, "solved": True, "steps": 7, "final_distance": 0}],
+        session.log_eval("maze_2d/local7", 0.75, [{"seed": 0, "solved": np.bool_(True), "steps": 7,
+                                                   "final_distance": np.float32(0)}],
                          step=3)  # eval before its checkpoint: linked when the upload lands
         session.log_checkpoint(adapters[1], step=3)
         version = session.register_best()

@@ -192,7 +192,7 @@ class RunSession:
             if missing:
                 raise ValueError(f"eval row {i} lacks {', '.join(missing)} (need {', '.join(EVAL_ROW_KEYS)})")
         self.log_eval_metrics({eval_key(data_source): rate}, step)
-        table = [{k: row[k] for k in EVAL_ROW_KEYS} | {"step": step} for row in rows]
+        table = [{k: _plain(row[k]) for k in EVAL_ROW_KEYS} | {"step": step} for row in rows]
         if table:
             self._uploader.add_table(f"{TABLE_DIR}/{data_source.strip('/')}/step_{step:06d}.json", table)
 
@@ -201,6 +201,8 @@ class RunSession:
         the checkpoint is logged before or after the eval."""
         self._check_open()
         step = _check_step(step)
+        if not isinstance(metrics, Mapping):
+            raise TypeError(f"metrics must be a mapping of name -> number, got {type(metrics).__name__}")
         now = int(time.time() * 1000)
         points = [Point(metric_key(k), as_float(k, v), now, step) for k, v in metrics.items()]
         with self._lock:
@@ -386,6 +388,11 @@ def _eval_source(key: str) -> str | None:
 
 def _linked(point: Point, model_id: str) -> Point:
     return Point(point.key, point.value, point.timestamp_ms, point.step, model_id)
+
+
+def _plain(value: Any) -> Any:
+    """numpy/torch scalars -> Python scalars, so a table row serializes to JSON."""
+    return value.item() if hasattr(value, "item") and getattr(value, "ndim", 0) == 0 else value
 
 
 def _check_step(step: Any) -> int:
