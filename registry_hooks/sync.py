@@ -37,6 +37,7 @@ from rlops.config import Config, artifacts_s3_client_kwargs, s3_client_kwargs
 from rlops.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AliasRoute, S3Location, parse_s3_uri, utc_now, version_folder
 
 MAX_ROUNDS = 8
+HEADER_PROBE_BYTES = 1024 * 1024
 TAG_VALUE_LIMIT = 5000
 BOTO = BotoConfig(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=60)
 
@@ -163,6 +164,7 @@ class Promoter:
         self.progress = progress
         self.bytes_copied = 0
         self.last_mode: str | None = None
+        self.copied_at: dict[tuple[str, int], float] = {}  # folders this promoter wrote, by first write time
 
     def on_bytes(self, n: int) -> None:
         self.bytes_copied += n
@@ -191,8 +193,10 @@ class Promoter:
         """Raise InvalidAdapter unless the version is a servable adapter; return its files' sha256."""
         check_files(files.sizes, source.checksums)
         rank = check_adapter_config(parse_adapter_config(files.read(ADAPTER_CONFIG)), self.policy, source.base_model)
-        length = safetensors_header_length(files.read_range(ADAPTER_WEIGHTS, 0, 8))
-        check_safetensors_header(files.read_range(ADAPTER_WEIGHTS, 8, length), rank)
+        head = files.read_range(ADAPTER_WEIGHTS, 0, HEADER_PROBE_BYTES)  # one request for most headers
+        length = safetensors_header_length(head[:8])
+        header = head[8:8 + length] if len(head) >= 8 + length else files.read_range(ADAPTER_WEIGHTS, 8, length)
+        check_safetensors_header(header, rank)
         return {name: source.checksums[name] for name in files.sizes}
 
     @contextmanager
@@ -228,6 +232,7 @@ class Promoter:
         if ADAPTER_CONFIG in existing:
             self._verify_complete(prefix, existing, checksums)
             return route
+        copy_started = time.monotonic()
         for name in copy_order(checksums):
             dst = storage.ObjectRef(self.location.bucket, f"{prefix}/{name}")
             digest = files.copy_to(name, dst) or storage.sha256_of(self.dest, dst)
@@ -236,6 +241,7 @@ class Promoter:
                 storage.delete_folder(self.dest, self.location.bucket, prefix, written)
                 raise InvalidAdapter(f"checksum mismatch for {name}: the stored file differs from the sha256 "
                                      "the tracker recorded")
+        self.copied_at[(model, version)] = copy_started
         return route
 
     def _verify_complete(self, prefix: str, existing: dict, checksums: dict[str, str]) -> None:
@@ -246,6 +252,13 @@ class Promoter:
         for name, digest in checksums.items():
             if storage.sha256_of(self.dest, storage.ObjectRef(self.location.bucket, f"{prefix}/{name}")) != digest:
                 raise InvalidAdapter(f"this version's serving folder already holds a different {name}; not rewritten")
+
+    def _may_be_collected(self, model: str, version: int) -> bool:
+        """gc never deletes a folder younger than its grace period: only an older one needs a re-check."""
+        copied = self.copied_at.get((model, version))
+        if copied is not None and time.monotonic() - copied < self.config.registry.gc_grace_s:
+            return False
+        return not self.folder_complete(model, version)
 
     def folder_complete(self, model: str, version: int) -> bool:
         prefix = self.location.key(version_folder(model, version))
@@ -262,7 +275,7 @@ class Promoter:
         new_refusals: set[int] = set()
         for _ in range(MAX_ROUNDS):
             intent = registry.read_intent(self.mlflow, model, self.config.registry.served_aliases) or {}
-            manifest, _ = storage.read_manifest(self.dest, self.location, model)
+            manifest, etag = storage.read_manifest(self.dest, self.location, model)
             for alias, version in intent.items():
                 current = manifest.aliases.get(alias)
                 if (current is not None and current.version == version) or version in prepared or version in refusals:
@@ -276,14 +289,13 @@ class Promoter:
                 except InvalidAdapter as exc:
                     refusals[version] = str(exc)
                     new_refusals.add(version)
-            # Publish: manifest (M), then registry (R), then a PUT conditional on M (P).
-            manifest, etag = storage.read_manifest(self.dest, self.location, model)
+            # Publish: the manifest read above (M), the registry re-read now (R), a PUT conditional on M (P).
             latest = registry.read_intent(self.mlflow, model, self.config.registry.served_aliases) or {}
             if latest != intent:
                 continue  # the registry moved while we copied: prepare the new targets
             new = next_manifest(manifest, intent, prepared, refusals, trigger=trigger, now=utc_now(),
                                 history_limit=self.config.registry.history_limit)
-            if any(not self.folder_complete(model, r.version) for r in newly_promoted(manifest, new).values()):
+            if any(self._may_be_collected(model, r.version) for r in newly_promoted(manifest, new).values()):
                 prepared.clear()  # a folder vanished after we verified it (gc): copy again before naming it
                 continue
             if new is not manifest:
