@@ -231,6 +231,8 @@ class TransformersEngine(TextGenerationEngine):
                 if selected is None:
                     adapter_scope = self.model.disable_adapter() if self._adapters else contextlib.nullcontext()
                 else:
+                    if selected not in self._adapters.values():  # evicted by a burst of other adapters
+                        raise EngineRequestError("The adapter was unloaded by other traffic; retry the request.", 503)
                     self.model.set_adapter(selected)
                     adapter_scope = contextlib.nullcontext()
                 options: dict[str, Any] = dict(max_new_tokens=sampling.max_tokens, do_sample=not sampling.greedy)
