@@ -156,7 +156,8 @@ class LocalTrainingConfig(_Section):
     """`rlops train --local`: SFT warm start + TRL GRPO + LoRA on one CPU machine (training/local_trainer)."""
 
     base_model: str | None = Field(None, description="HF id or path; default: the data dir's tiny SFT base")
-    maze_sizes: list[int] = Field(default_factory=lambda: [5, 7], min_length=1)
+    maze_sizes: list[int] = Field(default_factory=lambda: [5, 7], min_length=1,
+                                  description="maze sizes of the SFT set; GRPO trains on eval_size")
     eval_size: int = Field(7, ge=5)
     steps: int = Field(200, ge=1)
     budget_s: float = Field(300.0, gt=0)
