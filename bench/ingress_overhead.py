@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -158,6 +159,7 @@ def main() -> None:
             ray.shutdown()
         finally:
             rlops_stack.down(config)
+            shutil.rmtree(root, ignore_errors=True)
 
     alias_rps, stock_rps = statistics.median(rounds["alias"]), statistics.median(rounds["stock"])
     ratio = statistics.median(a / b for a, b in zip(rounds["alias"], rounds["stock"]))
