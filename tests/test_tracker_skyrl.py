@@ -55,7 +55,7 @@ def skyrl_config(tmp_path: Path, **trainer_overrides) -> SkyRLTrainConfig:
         project_name="skyrl-own-project", run_name="skyrl-run", logger="mlflow", micro_train_batch_size_per_gpu=2,
         train_batch_size=2, eval_batch_size=2, update_epochs_per_batch=1, epochs=1, max_prompt_length=20,
         remove_microbatch_padding=False, seed=42, resume_mode="none", eval_interval=2, eval_before_train=True,
-        ckpt_interval=2, hf_save_interval=3, max_ckpts_to_keep=1, ckpt_path=str(tmp_path / "ckpts"),
+        ckpt_interval=2, hf_save_interval=1, max_ckpts_to_keep=1, ckpt_path=str(tmp_path / "ckpts"),
         export_path=str(tmp_path / "exports"), enable_ray_gpu_monitor=False, update_ref_every_epoch=False,
         algorithm=AlgorithmConfig(advantage_estimator="grpo", kl_estimator_type="k1", use_kl_loss=True,
                                   kl_loss_coef=0.0, loss_reduction="token_mean", grpo_norm_by_std=True,
@@ -177,12 +177,13 @@ def test_skyrl_loop_lands_every_metric_checkpoint_eval_and_best_version(
     assert metric_history(mlflow_client, session.run_id, f"eval/{DATA_SOURCE}/avg_score") == [
         (0, 0.1), (2, 0.6), (3, 0.4)]
 
-    # a LoggedModel per checkpoint step (2: ckpt; 3: ckpt + HF export, logged once), eval linked, the
-    # step-2 checkpoint folder already deleted by max_ckpts_to_keep=1
+    # a LoggedModel per step with an adapter (1: HF export only; 2, 3: checkpoint + export, logged once),
+    # eval linked, the step-2 checkpoint folder already deleted by max_ckpts_to_keep=1
     assert not (run_dir / "global_step_2").exists()
     models = {int(m.tags[TAG_STEP]): m for m in mlflow_client.search_logged_models(
         experiment_ids=[session.experiment_id], filter_string=f"source_run_id = '{session.run_id}'")}
-    assert sorted(models) == [2, 3]
+    assert sorted(models) == [1, 2, 3]
+    assert models[1].metrics == []  # no eval at step 1: nothing to link
     for step in (2, 3):
         linked = {m.key: m.value for m in models[step].metrics}
         assert linked[f"eval/{DATA_SOURCE}/avg_score"] == SCORES[step]
