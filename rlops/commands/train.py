@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from rlops.cli import CliContext, pass_ctx
+from rlops.commands.context import CliContext, pass_ctx
 
 
 @click.group("base")
