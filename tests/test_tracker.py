@@ -193,6 +193,11 @@ def test_exception_ends_failed_and_interrupt_ends_killed(test_config, tmp_path, 
 def test_inputs_are_validated_with_specific_messages(test_config, tmp_path):
     with pytest.raises(TypeError, match="rlops.config.Config"):
         RunSession.start({"tracking": {}}, tmp_path)
+    orphan = tmp_path / "orphan" / ".rlops-tracker"
+    orphan.mkdir(parents=True)
+    (orphan / "run.json").write_text(json.dumps({"run_id": "0" * 32}))
+    with pytest.raises(ValueError, match="which the tracking server does not have; remove that file"):
+        RunSession.start(test_config, tmp_path / "orphan")
     with RunSession.start(test_config, tmp_path) as session:
         with pytest.raises(ValueError, match="step must be a non-negative int"):
             session.log_metrics({"loss": 1.0}, step=-1)

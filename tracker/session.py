@@ -21,8 +21,10 @@ from typing import Any, Mapping
 from mlflow import MlflowClient
 from mlflow.entities import Param, RunStatus, RunTag
 from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 
-from rlops.config import Config, mask_value
+from rlops.config import Config, mask_uri, mask_value
 from tracker import registry
 from tracker.checkpoints import TABLE_DIR, TAG_BASE_MODEL, TAG_LORA_RANK, ArtifactUploader
 from tracker.naming import as_float, eval_key, metric_key, redacted_params, split_param_changes
@@ -114,17 +116,20 @@ class RunSession:
         state.mkdir(parents=True, exist_ok=True)
         client = MlflowClient(tracking_uri=config.tracking_uri, registry_uri=config.tracking_uri)
         run_id = stored_run_id(run_dir)
-        if run_id:
-            run = _resume(client, run_id, state)
-        else:
-            experiment_id = _experiment_id(client, config.tracking.experiment)
-            run = client.create_run(experiment_id, run_name=run_name)
-            (state / RUN_FILE).write_text(json.dumps({"run_id": run.info.run_id, "experiment_id": experiment_id,
-                                                      "tracking_uri": config.tracking_uri}))
         run_tags = _default_tags(config) | {str(k): str(mask_value(str(k), v)) for k, v in tags.items()}
-        if run_id:
-            run_tags[TAG_RESUMES] = str(int(run.data.tags.get(TAG_RESUMES, "0")) + 1)
-        _log_params_and_tags(client, run, redacted_params(params), run_tags)
+        try:
+            if run_id:
+                run = _resume(client, run_id, state)
+                run_tags[TAG_RESUMES] = str(int(run.data.tags.get(TAG_RESUMES, "0")) + 1)
+            else:
+                experiment_id = _experiment_id(client, config.tracking.experiment)
+                run = client.create_run(experiment_id, run_name=run_name)
+                (state / RUN_FILE).write_text(json.dumps({"run_id": run.info.run_id, "experiment_id": experiment_id,
+                                                          "tracking_uri": mask_uri(config.tracking_uri)}))
+            _log_params_and_tags(client, run, redacted_params(params), run_tags)
+        except MlflowException as exc:
+            raise ConnectionError(f"cannot {'resume' if run_id else 'start'} the MLflow run at "
+                                  f"{mask_uri(config.tracking_uri)}: {exc.message}") from exc
         log.info("tracking run %s (%s) in %s", run.info.run_id, "resumed" if run_id else "new", config.tracking_uri)
         # each checkpoint carries the run's base model and rank (the trainer's tags win over config defaults)
         model_tags = {key: run_tags[key] for key in (TAG_BASE_MODEL, TAG_LORA_RANK)}
@@ -412,13 +417,13 @@ def _experiment_id(client: MlflowClient, name: str) -> str:
 
 
 def _resume(client: MlflowClient, run_id: str, state: Path):
-    from mlflow.exceptions import MlflowException
-
     try:
         run = client.get_run(run_id)
     except MlflowException as exc:
-        raise ValueError(f"{state / RUN_FILE} names run {run_id}, which the tracking server does not have "
-                         f"({exc.error_code}); remove that file to start a new run") from None
+        if exc.error_code != ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+            raise
+        raise ValueError(f"{state / RUN_FILE} names run {run_id}, which the tracking server does not have; "
+                         "remove that file to start a new run") from None
     if run.info.lifecycle_stage != "active":
         raise ValueError(f"run {run_id} stored in {state / RUN_FILE} is deleted; restore it or remove that file")
     if run.info.status != "RUNNING":
