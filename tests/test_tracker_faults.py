@@ -153,3 +153,23 @@ def test_sigterm_ends_the_run_killed(stack, test_config, tmp_path, mlflow_client
     run = mlflow_client.get_run(run_id)
     assert run.info.status == "KILLED" and run.data.tags["rlops.end_reason"] == "SIGTERM"
     assert metric_history(mlflow_client, run_id, "loss") == [(1, 1.0)]
+
+
+def test_exit_without_finish_still_lands_points_and_leaves_the_run_to_the_sweep(stack, test_config, tmp_path,
+                                                                                mlflow_client):
+    config_path = write_config(test_config, tmp_path / "mlflow.yaml")
+    script = textwrap.dedent("""
+        import sys
+        from pathlib import Path
+        from rlops.config import load_config
+        from tracker import RunSession
+        session = RunSession.start(load_config(sys.argv[1], environ={}), Path(sys.argv[2]))
+        for step in range(50):
+            session.log_metrics({f"m/{i:03d}": float(step) for i in range(100)}, step=step)
+        print(session.run_id, flush=True)  # and exit: no finish(), no context manager
+    """)
+    out = subprocess.run([sys.executable, "-c", script, str(config_path), str(tmp_path / "run")],
+                         capture_output=True, text=True, env=stack.env, timeout=120, check=True)
+    run_id = out.stdout.strip()
+    assert_exactly_once(mlflow_client, run_id, range(50))
+    assert mlflow_client.get_run(run_id).info.status == "RUNNING"  # not FINISHED: the sweep settles it

@@ -7,6 +7,7 @@ with the checkpoints and a restarted job continues the same run without losing o
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -95,6 +96,9 @@ class RunSession:
         self._checkpoint_steps = set(self._linked) | self._uploader.queued_checkpoint_steps()
         self._heartbeat_stop = threading.Event()
         threading.Thread(target=self._heartbeat, name="rlops-tracker-heartbeat", daemon=True).start()
+        # An interpreter exit without finish(): still land what is spooled (bounded); the run stays RUNNING
+        # until `rlops runs sweep` fails it, since an unclean end is not FINISHED.
+        atexit.register(self._flush_at_exit)
         self._previous_sigterm = None
         if threading.current_thread() is threading.main_thread():
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -293,6 +297,7 @@ class RunSession:
                 return
             self._ended = status
         self._heartbeat_stop.set()
+        atexit.unregister(self._flush_at_exit)
         if self._previous_sigterm is not None:
             signal.signal(signal.SIGTERM, self._previous_sigterm)
         flushed = self.flush(self.config.tracking.flush_timeout_s)
@@ -313,6 +318,11 @@ class RunSession:
     def _check_open(self) -> None:
         if self._ended:
             raise RuntimeError(f"run session {self._run_id} already ended ({self._ended})")
+
+    def _flush_at_exit(self) -> None:
+        if not self._ended:
+            self._heartbeat_stop.set()
+            self.flush(self.config.tracking.flush_timeout_s)
 
     def _on_sigterm(self, signum, frame) -> None:
         raise RunTerminated("SIGTERM")
