@@ -14,6 +14,8 @@ COPY --chown=ray:users tracker /tmp/rlops/tracker
 COPY --chown=ray:users training /tmp/rlops/training
 COPY --chown=ray:users serving /tmp/rlops/serving
 COPY --chown=ray:users registry_hooks /tmp/rlops/registry_hooks
+# The submit script, run from the head pod (docs/deployment.md); it resolves the installed package.
+COPY --chown=ray:users training/train_job.sh /opt/rlops/training/train_job.sh
 RUN pip install --no-cache-dir "/tmp/rlops[skyrl]" \
     && rm -rf /tmp/rlops \
     && python -c "import tracker, training, skyrl.train.trainer" \

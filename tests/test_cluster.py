@@ -8,7 +8,9 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -292,6 +294,27 @@ def _write(text: str) -> Path:
     path = Path(tempfile.mkdtemp()) / "mlflow.yaml"
     path.write_text(text)
     return path
+
+
+def test_guide_shows_the_exact_ray_job_submit_of_the_cluster_config():
+    """The `ray job submit` in docs/deployment.md carries what train_job.sh submits for the ConfigMap's
+    config on the shared volume (`python -m training.skyrl_main --print-overrides`), override by override."""
+    guide = (REPO / "docs" / "deployment.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", guide, re.S) if b.startswith("ray job submit"))
+    words = shlex.split(block.replace("\\\n", " "))
+    documented = words[words.index("training.skyrl_main") + 1:]
+    text = yaml.safe_load((K8S / "config.yaml").read_text())["data"]["mlflow.yaml"]
+    raycluster = _documents(K8S / "raycluster-train.yaml")[0]
+    head = raycluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    pod_env = {e["name"]: e["value"] for e in head["env"] if "value" in e}
+    env = {"PATH": os.environ["PATH"], "RLOPS_CONFIG": str(_write(text)), "RLOPS_DATA_DIR": pod_env["RLOPS_DATA_DIR"]}
+    out = subprocess.run([sys.executable, "-m", "training.skyrl_main", "--print-overrides"], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert documented == out.stdout.split()
+    assert (REPO / "training" / "train_job.sh").exists()
+    assert "COPY --chown=ray:users training/train_job.sh /opt/rlops/training/train_job.sh" in (
+        DOCKER / "train.Dockerfile").read_text()
 
 
 # ---------------------------------------------------------------------------------- secrets as references
