@@ -280,34 +280,31 @@ def test_manifest_commands_are_real_cli_commands():
         assert out.returncode == 0, f"{' '.join(command)}: {out.stderr}"
 
 
-def test_cluster_config_is_valid_and_external():
-    text = yaml.safe_load((K8S / "config.yaml").read_text())["data"]["mlflow.yaml"]
-    config = load_config(_write(text), environ={})
+def test_cluster_config_is_valid_and_external(tmp_path):
+    config = load_config(_cluster_config_file(tmp_path), environ={})
     assert not config.server.managed and not config.storage.managed
     assert config.tracking_uri == "http://mlflow.rlops.svc:5000"
     assert config.lora_path.startswith("s3://") and config.serving.engine == "vllm"
 
 
-def _write(text: str) -> Path:
-    import tempfile
-
-    path = Path(tempfile.mkdtemp()) / "mlflow.yaml"
-    path.write_text(text)
+def _cluster_config_file(directory: Path) -> Path:
+    """The ConfigMap's mlflow.yaml as a file, as the pods see it at /etc/rlops/mlflow.yaml."""
+    path = directory / "mlflow.yaml"
+    path.write_text(yaml.safe_load((K8S / "config.yaml").read_text())["data"]["mlflow.yaml"])
     return path
 
 
-def test_guide_shows_the_exact_ray_job_submit_of_the_cluster_config():
+def test_guide_shows_the_exact_ray_job_submit_of_the_cluster_config(tmp_path):
     """The `ray job submit` in docs/deployment.md carries what train_job.sh submits for the ConfigMap's
     config on the shared volume (`python -m training.skyrl_main --print-overrides`), override by override."""
     guide = (REPO / "docs" / "deployment.md").read_text()
     block = next(b for b in re.findall(r"```bash\n(.*?)```", guide, re.S) if b.startswith("ray job submit"))
     words = shlex.split(block.replace("\\\n", " "))
     documented = words[words.index("training.skyrl_main") + 1:]
-    text = yaml.safe_load((K8S / "config.yaml").read_text())["data"]["mlflow.yaml"]
     raycluster = _documents(K8S / "raycluster-train.yaml")[0]
     head = raycluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     pod_env = {e["name"]: e["value"] for e in head["env"] if "value" in e}
-    env = {"PATH": os.environ["PATH"], "RLOPS_CONFIG": str(_write(text)), "RLOPS_DATA_DIR": pod_env["RLOPS_DATA_DIR"]}
+    env = {"PATH": os.environ["PATH"], "RLOPS_CONFIG": str(_cluster_config_file(tmp_path)), "RLOPS_DATA_DIR": pod_env["RLOPS_DATA_DIR"]}
     out = subprocess.run([sys.executable, "-m", "training.skyrl_main", "--print-overrides"], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
