@@ -32,6 +32,7 @@ from registry_hooks.webhook import (
 )
 from rlops.config import Config
 from rlops.layout import utc_now
+from tracker import sweep_stale_runs
 
 WEBHOOK_PATH = "/webhook"
 
@@ -95,6 +96,11 @@ class Reconciler:
                 retire_unlisted(self.config)
             except Exception as exc:  # noqa: BLE001 - reported like a failed sync; the loop goes on
                 self.last_error = f"retiring unlisted models: {type(exc).__name__}: {exc}"[:500]
+            try:
+                # A Ray task can die without handlers: settle runs whose tracker heartbeat stopped.
+                sweep_stale_runs(self.config)
+            except Exception as exc:  # noqa: BLE001 - same: reported, never fatal to the loop
+                self.last_error = f"sweeping stale runs: {type(exc).__name__}: {exc}"[:500]
             for model in self.config.registry.models:
                 self.request(model, "reconciler")
             self._stop.wait(self.config.hooks.reconcile_interval_s)

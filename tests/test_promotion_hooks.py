@@ -174,6 +174,14 @@ def test_reconciler_alone_converges_with_receiver_off(stack, test_config, mlflow
     state = operations.status(cfg)
     assert state["in_sync"] and state["reconciler"]["last_run_at"] and not state["reconciler"]["stale"]
 
+    # The reconciler also settles tracked runs whose process died silently (heartbeat stopped).
+    from tracker.session import TAG_HEARTBEAT
+
+    existing = mlflow_client.get_experiment_by_name(cfg.tracking.experiment)
+    experiment_id = existing.experiment_id if existing else mlflow_client.create_experiment(cfg.tracking.experiment)
+    dead = mlflow_client.create_run(experiment_id, tags={TAG_HEARTBEAT: str(time.time() - 10 * 3600)})
+    assert wait_for(lambda: mlflow_client.get_run(dead.info.run_id).info.status == "FAILED", 10), "stale run not swept"
+
 
 def test_hooks_serve_command_runs_and_is_stoppable(stack, test_config, tmp_path):
     cfg = test_config.model_copy(deep=True)
