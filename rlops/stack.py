@@ -123,7 +123,9 @@ def _free_weed_port(host: str, taken: set[int]) -> int:
     """A free port whose +10000 gRPC twin is free too (weed derives the gRPC port itself)."""
     for _ in range(200):
         port = processes.free_port(host)
-        if port + 10000 < 65536 and port not in taken and not processes.port_in_use(host, port + 10000):
+        # weed refuses a port that equals another component's derived gRPC port (+10000), either way round.
+        clashes = {port, port + 10000, port - 10000} & taken
+        if port + 10000 < 65536 and not clashes and not processes.port_in_use(host, port + 10000):
             taken.update({port, port + 10000})
             return port
     raise StackError("no free port pair for SeaweedFS")

@@ -194,10 +194,12 @@ class LoopbackProxy:
 
 
 def _close(sock: socket.socket) -> None:
-    try:
-        sock.close()
-    except OSError:
-        pass
+    # shutdown() wakes a thread blocked in recv() on this socket; close() alone does not.
+    for end in (lambda: sock.shutdown(socket.SHUT_RDWR), sock.close):
+        try:
+            end()
+        except OSError:
+            pass
 
 
 @pytest.fixture
