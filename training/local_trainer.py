@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from transformers import TrainerCallback
+from transformers import ProgressCallback, TrainerCallback
 
 from rlops.config import Config
 from training import datasets as ds
@@ -330,6 +330,13 @@ class FixedEvalCallback(TrainerCallback):
         self._eval(model, state.global_step)
 
 
+class QuietProgressCallback(ProgressCallback):
+    """The progress bar without a printed dict per step (every step is logged to MLflow instead)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
+
+
 class BudgetCallback(TrainerCallback):
     """Stop at the time budget or the last step, with a checkpoint either way."""
 
@@ -368,9 +375,12 @@ def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callback
     )
     peft_config = LoraConfig(r=local.lora_rank, lora_alpha=local.lora_alpha, lora_dropout=0.0,
                              target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
-    return GRPOTrainer(model=model, reward_funcs=[maze_reward, solved_reward], args=args,
-                       train_dataset=_grpo_dataset(config), processing_class=processor,
-                       peft_config=peft_config, callbacks=callbacks)
+    trainer = GRPOTrainer(model=model, reward_funcs=[maze_reward, solved_reward], args=args,
+                          train_dataset=_grpo_dataset(config), processing_class=processor,
+                          peft_config=peft_config, callbacks=callbacks)
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(QuietProgressCallback)
+    return trainer
 
 
 def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps: int | None = None,
