@@ -13,17 +13,34 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rlops.layout import is_valid_alias, is_valid_name
 
 ENV_PREFIX = "RLOPS_"
 CONFIG_ENV = "RLOPS_CONFIG"
 DEFAULT_CONFIG_FILE = "mlflow.yaml"
 NAME_PATTERN = r"^[A-Za-z0-9._-]+$"
-ALIAS_PATTERN = r"^[A-Za-z0-9_-]+$"
+
+
+def _registry_name(name: str) -> str:
+    if not is_valid_name(name):
+        raise ValueError(f"registered model name {name!r} must match {NAME_PATTERN} (no '..')")
+    return name
+
+
+def _alias(alias: str) -> str:
+    if not is_valid_alias(alias):
+        raise ValueError(f"alias {alias!r} must match [A-Za-z0-9_-]+ and not be 'latest' or 'v<N>'")
+    return alias
+
+
+RegistryName = Annotated[str, AfterValidator(_registry_name)]
+Alias = Annotated[str, AfterValidator(_alias)]
 
 
 class ConfigError(ValueError):
@@ -37,7 +54,7 @@ class _Section(BaseModel):
 class TrackingConfig(_Section):
     uri: str | None = Field(None, description="MLflow tracking URI; default: the embedded server's URL")
     experiment: str = "visgym-maze-grpo"
-    registered_model: str | None = Field(
+    registered_model: RegistryName | None = Field(
         None, description="model the best checkpoint is registered into; default: registry.models[0]"
     )
     # tracker/ (issue 3): run sessions, spool, heartbeat, checkpoints, registration
@@ -48,19 +65,11 @@ class TrackingConfig(_Section):
     heartbeat_interval_s: float = Field(30.0, gt=0, description="how often a live run refreshes rlops.heartbeat")
     heartbeat_timeout_s: float = Field(300.0, gt=0, description="`rlops runs sweep` fails RUNNING runs silent this long")
     best_metric: str = Field("avg_score", description="eval metric that picks the best checkpoint (higher is better)")
-    register_aliases: list[str] = Field(default_factory=lambda: ["candidate"],
+    register_aliases: list[Alias] = Field(default_factory=lambda: ["candidate"],
                                         description="aliases register_best sets; never a served alias unless listed")
     register_on_eval: bool = Field(False, description="also register the best checkpoint after each linked eval")
     keep_best_checkpoints: int | None = Field(None, ge=1, description="retention: keep the best k + the latest "
                                               "checkpoints (and registered ones); None keeps all")
-
-    @field_validator("register_aliases")
-    @classmethod
-    def _register_aliases(cls, aliases: list[str]) -> list[str]:
-        for alias in aliases:
-            if not re.match(ALIAS_PATTERN, alias) or alias == "latest" or re.match(r"^v\d+$", alias):
-                raise ValueError(f"alias {alias!r} must match {ALIAS_PATTERN} and not be 'latest' or 'v<N>'")
-        return aliases
 
 
 class ServerConfig(_Section):
@@ -81,25 +90,9 @@ class StorageConfig(_Section):
 
 
 class RegistryConfig(_Section):
-    models: list[str] = Field(default_factory=lambda: ["maze-grpo"], min_length=1)
-    served_aliases: list[str] = Field(default_factory=lambda: ["production", "staging"], min_length=1)
+    models: list[RegistryName] = Field(default_factory=lambda: ["maze-grpo"], min_length=1)
+    served_aliases: list[Alias] = Field(default_factory=lambda: ["production", "staging"], min_length=1)
     default_alias: str = "production"
-
-    @field_validator("models")
-    @classmethod
-    def _model_names(cls, names: list[str]) -> list[str]:
-        for name in names:
-            if not re.match(NAME_PATTERN, name):
-                raise ValueError(f"registered model name {name!r} must match {NAME_PATTERN}")
-        return names
-
-    @field_validator("served_aliases")
-    @classmethod
-    def _aliases(cls, aliases: list[str]) -> list[str]:
-        for alias in aliases:
-            if not re.match(ALIAS_PATTERN, alias) or alias == "latest" or re.match(r"^v\d+$", alias):
-                raise ValueError(f"alias {alias!r} must match {ALIAS_PATTERN} and not be 'latest' or 'v<N>'")
-        return aliases
 
     # registry_hooks/ (issue 5): what a promotable adapter is, how it is copied, how long folders live
     accepted_base_models: list[str] = Field(
@@ -296,9 +289,11 @@ def _format_errors(err: ValidationError, source: str, env_keys: set[str]) -> str
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         origin = source
-        env_name = ENV_PREFIX + "__".join(str(p).upper() for p in e["loc"])
-        if env_name in env_keys:
-            origin = f"environment variable {env_name}"
+        for depth in range(len(e["loc"]), 0, -1):  # a list item's error belongs to the variable that set the list
+            env_name = ENV_PREFIX + "__".join(str(p).upper() for p in e["loc"][:depth])
+            if env_name in env_keys:
+                origin = f"environment variable {env_name}"
+                break
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         else:

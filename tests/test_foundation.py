@@ -13,11 +13,12 @@ import psutil
 import pytest
 from botocore.exceptions import ClientError
 
-from rlops.config import ConfigError, load_config, masked_dict, mask_value
+from rlops.config import ConfigError, load_config, mask_value
 from rlops import processes
 from rlops.layout import parse_s3_uri
 
-from conftest import _free_s3_port, write_config
+from conftest import write_config
+from rlops.stack import free_s3_port
 
 RLOPS = [sys.executable, "-m", "rlops.cli"]
 
@@ -152,7 +153,7 @@ def test_up_refuses_occupied_port_and_leaves_nothing(tmp_path):
     with socket.create_server(("127.0.0.1", blocker)):
         path = write_config(tmp_path / "mlflow.yaml", {
             "data_dir": str(tmp_path / "d"), "server": {"port": blocker},
-            "storage": {"endpoint_url": f"http://127.0.0.1:{_free_s3_port()}"},
+            "storage": {"endpoint_url": f"http://127.0.0.1:{free_s3_port()}"},
         })
         out = run_cli(["up"], dict(os.environ, RLOPS_CONFIG=str(path)))
     assert out.returncode == 1
@@ -164,7 +165,7 @@ def test_up_refuses_occupied_port_and_leaves_nothing(tmp_path):
 def test_up_down_cycle_keeps_data_and_leaves_no_process(tmp_path):
     path = write_config(tmp_path / "mlflow.yaml", {
         "data_dir": str(tmp_path / "d"), "server": {"port": processes.free_port()},
-        "storage": {"endpoint_url": f"http://127.0.0.1:{_free_s3_port()}"},
+        "storage": {"endpoint_url": f"http://127.0.0.1:{free_s3_port()}"},
     })
     env = dict(os.environ, RLOPS_CONFIG=str(path))
     out = run_cli(["up"], env)
@@ -210,3 +211,12 @@ def test_loopback_proxy_cuts_and_restores(stack, mlflow_proxy):
         httpx.get(f"{mlflow_proxy.url}/health", timeout=2)
     mlflow_proxy.restore()
     assert httpx.get(f"{mlflow_proxy.url}/health", timeout=5).status_code == 200
+
+
+def test_names_and_aliases_follow_the_shared_grammar():
+    with pytest.raises(ConfigError, match="environment variable RLOPS_REGISTRY__SERVED_ALIASES: registry.served_aliases.0"):
+        load_config(None, environ={"RLOPS_REGISTRY__SERVED_ALIASES": "[latest]"})
+    with pytest.raises(ConfigError, match="registry.models.0.*'a/b'"):
+        load_config(None, environ={"RLOPS_REGISTRY__MODELS": "[a/b]"})
+    with pytest.raises(ConfigError, match="tracking.register_aliases.0"):
+        load_config(None, environ={"RLOPS_TRACKING__REGISTER_ALIASES": "[v3]"})
