@@ -18,7 +18,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import record  # noqa: E402
-from stack_startup import free_port, free_s3_port  # noqa: E402
+from rlops.processes import free_port  # noqa: E402
+from rlops.stack import free_s3_port  # noqa: E402
 
 BUDGET_S = 600.0
 

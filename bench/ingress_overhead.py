@@ -111,7 +111,7 @@ def main() -> None:
     from ray import serve
 
     root = Path(tempfile.mkdtemp(prefix="rlops-bench-ingress-"))
-    s3_port = next(p for p in iter(free_port, None) if p + 10000 < 65536)
+    s3_port = rlops_stack.free_s3_port()
     config = load_config(environ={"RLOPS_DATA_DIR": str(root), "RLOPS_SERVER__PORT": str(free_port()),
                                   "RLOPS_STORAGE__ENDPOINT_URL": f"http://127.0.0.1:{s3_port}",
                                   "RLOPS_SERVING__MODEL_SOURCE": str(root / "no-weights-needed"),

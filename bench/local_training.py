@@ -26,21 +26,6 @@ GOAL = "held-out solve rate after GRPO > before beyond the 95% intervals (aim +2
 PNG = Path(__file__).with_name("local_training.png")
 
 
-def s3_port() -> int:
-    """A free port whose +10000 companion (SeaweedFS's gRPC port) is valid and free too."""
-    import socket
-
-    while True:
-        port = free_port()
-        if port + 10000 < 65536:
-            with socket.socket() as sock:
-                try:
-                    sock.bind(("127.0.0.1", port + 10000))
-                    return port
-                except OSError:
-                    continue
-
-
 def evaluate_model(model_dir: Path, adapter_dir: Path | None, maze_sets, max_new_tokens: int) -> dict:
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
@@ -87,7 +72,7 @@ def main() -> None:
 
     config = Config.model_validate({
         "data_dir": args.data_dir, "server": {"port": free_port()},
-        "storage": {"endpoint_url": f"http://127.0.0.1:{s3_port()}", "bucket": "rlops-bench"},
+        "storage": {"endpoint_url": f"http://127.0.0.1:{stack.free_s3_port()}", "bucket": "rlops-bench"},
         "tracking": {"experiment": "bench-local-training"}, "registry": {"models": ["bench-maze-grpo"]},
     })
     local = config.training.local

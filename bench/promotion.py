@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,21 +30,13 @@ from _results import record  # noqa: E402
 
 from registry_hooks import sync_model  # noqa: E402
 from rlops import stack  # noqa: E402
+from rlops.processes import free_port  # noqa: E402
 from rlops.config import load_config  # noqa: E402
 from rlops.layout import RoutesManifest, AliasRoute, parse_s3_uri, routes_key, utc_now, version_folder  # noqa: E402
 
 MODEL = "bench-promotion"
 RANK = 32
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def free_port(pair: bool = False) -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not pair or port + 10000 < 65536:
-            return port
 
 
 def write_adapter(out: Path, size_mb: int, base: str) -> None:
@@ -129,7 +120,7 @@ def main() -> None:
         root = Path(tmp)
         (root / "mlflow.yaml").write_text(json.dumps({
             "data_dir": str(root / "data"), "server": {"port": free_port()},
-            "storage": {"endpoint_url": f"http://127.0.0.1:{free_port(pair=True)}", "bucket": "bench"},
+            "storage": {"endpoint_url": f"http://127.0.0.1:{stack.free_s3_port()}", "bucket": "bench"},
             "registry": {"models": [MODEL]}}))
         config = load_config(root / "mlflow.yaml", environ={})
         stack.up(config, timeout_s=120)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,22 +21,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import record  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_s3_port() -> int:
-    while True:
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 10000))
-                return port
-            except OSError:
-                continue
+from rlops.processes import free_port  # noqa: E402
+from rlops.stack import free_s3_port  # noqa: E402
 
 
 def time_rlops_up(root: Path) -> float:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -32,19 +31,11 @@ from skyrl.train.utils.tracking import Tracking  # noqa: E402
 
 import mlflow  # noqa: E402
 from rlops import stack  # noqa: E402
+from rlops.processes import free_port  # noqa: E402
 from rlops.config import load_config  # noqa: E402
 from tracker import RunSession  # noqa: E402
 
 METRICS_PER_STEP = 100
-
-
-def free_port(pair: bool = False) -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not pair or port + 10000 < 65536:
-            return port
 
 
 def payload(step: int) -> dict[str, float]:
@@ -139,7 +130,7 @@ def main() -> None:
         root = Path(tmp)
         (root / "mlflow.yaml").write_text(json.dumps({
             "data_dir": str(root / "data"), "server": {"port": free_port()},
-            "storage": {"endpoint_url": f"http://127.0.0.1:{free_port(pair=True)}", "bucket": "bench"},
+            "storage": {"endpoint_url": f"http://127.0.0.1:{stack.free_s3_port()}", "bucket": "bench"},
             "tracking": {"experiment": "bench-tracker"}}))
         config = load_config(root / "mlflow.yaml", environ={})
         stack.up(config, timeout_s=120)

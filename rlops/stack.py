@@ -131,6 +131,11 @@ def _free_weed_port(host: str, taken: set[int]) -> int:
     raise StackError("no free port pair for SeaweedFS")
 
 
+def free_s3_port(host: str = "127.0.0.1") -> int:
+    """A free port for an embedded S3 server whose derived gRPC port (+10000) is free too (tests, benches)."""
+    return _free_weed_port(host, set())
+
+
 def _weed_binary() -> str:
     candidate = Path(sys.executable).parent / "weed"
     found = str(candidate) if candidate.exists() else shutil.which("weed")

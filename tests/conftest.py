@@ -42,19 +42,6 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped under CI=true (missing infrastructure must fail, not skip): {reason}"
 
 
-def _free_s3_port() -> int:
-    for _ in range(100):
-        port = free_port()
-        if port + 10000 < 65536:
-            with socket.socket() as sock:
-                try:
-                    sock.bind(("127.0.0.1", port + 10000))
-                    return port
-                except OSError:
-                    continue
-    raise RuntimeError("no free port pair for the S3 server")
-
-
 def write_config(path: Path, data: dict) -> Path:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -90,7 +77,7 @@ def stack(tmp_path_factory) -> StackHandle:
     data = {
         "data_dir": str(root / "data"),
         "server": {"port": free_port()},
-        "storage": {"endpoint_url": f"http://127.0.0.1:{_free_s3_port()}", "bucket": "rlops-test"},
+        "storage": {"endpoint_url": f"http://127.0.0.1:{rlops_stack.free_s3_port()}", "bucket": "rlops-test"},
     }
     path = write_config(root / "mlflow.yaml", data)
     config = load_config(path, environ={})

@@ -15,7 +15,8 @@ from rlops import stack as rlops_stack
 from rlops.config import load_config, s3_credentials, s3_environment
 from rlops.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, RoutesManifest, parse_s3_uri, routes_key, version_folder
 
-from conftest import _free_s3_port, write_config
+from conftest import write_config
+from rlops.stack import free_s3_port
 from test_promotion_support import (  # noqa: F401 - fixtures
     assert_manifest_consistent,
     lora_template,
@@ -31,7 +32,7 @@ def other_s3(tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     path = write_config(tmp_path / "other.yaml", {
         "data_dir": str(tmp_path / "other"), "server": {"managed": False},
-        "storage": {"endpoint_url": f"http://127.0.0.1:{_free_s3_port()}", "bucket": "rlops-other"}})
+        "storage": {"endpoint_url": f"http://127.0.0.1:{free_s3_port()}", "bucket": "rlops-other"}})
     config = load_config(path, environ={})
     rlops_stack.up(config, timeout_s=60)
     yield config
