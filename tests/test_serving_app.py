@@ -335,7 +335,7 @@ def test_errors_are_openai_shaped_and_never_show_folders(served: ServedApp):
         error = r.json()["error"]
         assert needle in error["message"] and error["type"]
         assert f"{served.model}-v" not in r.text.replace(str(body.get("model")), "")
-        assert "s3://" not in r.text and f"lora-serving" not in r.text and bucket not in r.text
+        assert "s3://" not in r.text and "lora-serving" not in r.text and bucket not in r.text
     for raw, status in ((b"{not json", 400), (b'{"model": "' + b"x" * (3 * 1024 * 1024) + b'"}', 413)):
         r = httpx.post(f"{served.url}/v1/chat/completions", content=raw, timeout=30,
                        headers={**served.headers(), "content-type": "application/json"})
