@@ -99,11 +99,15 @@ def _wait(what: str, check: Callable[[], bool], timeout_s: float, record: proces
     raise DemoError(f"{what}: not ready after {timeout_s:.0f} s{log}")
 
 
-def _served_version(config: Config, model: str, alias: str, version: int) -> bool:
-    """True once the manifest serves `version` under `alias`; a recorded refusal of it is an error."""
+def _manifest(config: Config, model: str) -> dict:
     location = parse_s3_uri(config.lora_path)
     body = stack.s3_client(config).get_object(Bucket=location.bucket, Key=routes_key(location, model))["Body"].read()
-    manifest = json.loads(body)
+    return json.loads(body)
+
+
+def _served_version(config: Config, model: str, alias: str, version: int) -> bool:
+    """True once the manifest serves `version` under `alias`; a recorded refusal of it is an error."""
+    manifest = _manifest(config, model)
     refused = manifest.get("refused", {}).get(alias)
     if refused and refused["version"] == version:
         raise DemoError(f"promotion of v{version} to {alias} was refused: {refused['reason']}")
@@ -123,9 +127,11 @@ def _hooks_secret(config: Config) -> str:
     return path.read_text().strip()
 
 
-def _endpoint_ready(base_url: str, wanted: str) -> bool:
+def _endpoint_ready(base_url: str, wanted: str, version: int) -> bool:
+    """The endpoint lists `wanted` at `version` (its routes refresh within the staleness bound)."""
     response = httpx.get(f"{base_url}/models", timeout=5)
-    return response.status_code == 200 and wanted in {m["id"] for m in response.json()["data"]}
+    listed = {m["id"]: m.get("metadata", {}).get("version") for m in response.json()["data"]} if response.status_code == 200 else {}
+    return listed.get(wanted) == version
 
 
 def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
@@ -203,9 +209,10 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
             else:
                 record = _start_cli(config, "serve", ["serve"], _child_env(config, config_path, base_env))
         wanted = f"{config.serving.base_model_id}:{model}"
-        waited = _wait("endpoint", lambda: _endpoint_ready(base_url, wanted), SERVE_READY_TIMEOUT_S,
+        production = _manifest(config, model)["aliases"]["production"]["version"]
+        waited = _wait("endpoint", lambda: _endpoint_ready(base_url, wanted, production), SERVE_READY_TIMEOUT_S,
                        record if record is not None and record.process() is not None else None)
-        echo(f"    {base_url} lists {wanted} ({waited:.0f} s)")
+        echo(f"    {base_url} lists {wanted} at v{production} ({waited:.1f} s)")
 
     with progress.stage("answer a maze through the openai client"):
         from openai import OpenAI

@@ -72,6 +72,21 @@ def test_demo_fast_runs_the_whole_loop(stack, tmp_path, unique_name):
         assert raw.parse().model == f"visgym-qwen3vl:{model}"
         assert summary["served_version"] == production.version
         print(f"rlops demo --fast took {elapsed:.0f} s; stages: {summary['stages']}")
+
+        # A re-run reuses the stack and the endpoint: a new run and version, served without a restart.
+        from rlops.processes import read_record
+
+        serve_pid = read_record(data_dir, "serve").pid
+        again = subprocess.run([sys.executable, "-m", "rlops", "demo", "--fast", "--json"], env=env,
+                               capture_output=True, text=True, timeout=600)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        second = json.loads(again.stdout.strip().splitlines()[-1])
+        assert second["run_id"] != summary["run_id"] and int(second["version"]) == int(summary["version"]) + 1
+        production_now = client.get_model_version_by_alias(model, "production").version
+        # The eval guardrail keeps the old production when the new run scored lower; the demo says so.
+        assert production_now == second["version"] or "promote refused (guardrail)" in again.stdout
+        assert second["served_version"] == production_now
+        assert read_record(data_dir, "serve").pid == serve_pid
     finally:
         down = subprocess.run([sys.executable, "-m", "rlops", "down"], env=env, capture_output=True, text=True, timeout=120)
         assert down.returncode == 0, down.stderr
