@@ -220,3 +220,20 @@ def test_names_and_aliases_follow_the_shared_grammar():
         load_config(None, environ={"RLOPS_REGISTRY__MODELS": "[a/b]"})
     with pytest.raises(ConfigError, match="tracking.register_aliases.0"):
         load_config(None, environ={"RLOPS_TRACKING__REGISTER_ALIASES": "[v3]"})
+
+
+def test_up_starts_nothing_for_external_services(stack, tmp_path):
+    """mlflow.yaml pointing at an existing MLflow and S3 (managed: false): `up` only checks them."""
+    path = write_config(tmp_path / "mlflow.yaml", {
+        "data_dir": str(tmp_path / "d"),
+        "tracking": {"uri": stack.tracking_uri},
+        "server": {"managed": False, "port": processes.free_port()},
+        "storage": {"managed": False, "endpoint_url": stack.config.storage.endpoint_url,
+                    "bucket": stack.config.storage.bucket},
+    })
+    env = dict(stack.env, RLOPS_CONFIG=str(path))
+    out = run_cli(["up"], env)
+    assert out.returncode == 0, out.stderr
+    assert "(external)" in out.stdout and stack.tracking_uri in out.stdout
+    assert processes.list_records(tmp_path / "d") == []
+    assert run_cli(["status"], env).returncode == 0
