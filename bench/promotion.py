@@ -27,11 +27,10 @@ from safetensors.numpy import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _results import record  # noqa: E402
+from _scratch import scratch_stack  # noqa: E402
 
 from registry_hooks import sync_model  # noqa: E402
 from rlops import stack  # noqa: E402
-from rlops.processes import free_port  # noqa: E402
-from rlops.config import load_config  # noqa: E402
 from rlops.layout import RoutesManifest, AliasRoute, parse_s3_uri, routes_key, utc_now, version_folder  # noqa: E402
 
 MODEL = "bench-promotion"
@@ -116,33 +115,23 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=175)
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        (root / "mlflow.yaml").write_text(json.dumps({
-            "data_dir": str(root / "data"), "server": {"port": free_port()},
-            "storage": {"endpoint_url": f"http://127.0.0.1:{stack.free_s3_port()}", "bucket": "bench"},
-            "registry": {"models": [MODEL]}}))
-        config = load_config(root / "mlflow.yaml", environ={})
-        stack.up(config, timeout_s=120)
-        try:
-            adapter = root / "adapter"
-            write_adapter(adapter, args.size_mb, config.base_model_source)
-            size = sum(p.stat().st_size for p in adapter.iterdir()) / 1e6
-            client = mlflow.MlflowClient(tracking_uri=config.tracking_uri)
-            version = register(config, adapter)
-            s3 = stack.s3_client(config, timeout_s=120)
-            ours, naive = [], []
-            for i in range(args.warmup + args.runs):  # warm-up runs (fresh server caches) are not counted
-                reset(config, s3, client)
-                ours.append(time_ours(config, client, version))
-                reset(config, s3, client)
-                naive.append(time_naive(config, client, s3, version))
-                label = "warm-up" if i < args.warmup else f"run {i + 1 - args.warmup}"
-                print(f"{label}: sync (server-side copy + sha256 verify) {ours[-1]:.2f} s | "
-                      f"naive download+reupload via MLflow proxy {naive[-1]:.2f} s")
-            ours, naive = ours[args.warmup:], naive[args.warmup:]
-        finally:
-            stack.down(config)
+    with scratch_stack(registry={"models": [MODEL]}) as (config, root):
+        adapter = root / "adapter"
+        write_adapter(adapter, args.size_mb, config.base_model_source)
+        size = sum(p.stat().st_size for p in adapter.iterdir()) / 1e6
+        client = mlflow.MlflowClient(tracking_uri=config.tracking_uri)
+        version = register(config, adapter)
+        s3 = stack.s3_client(config, timeout_s=120)
+        ours, naive = [], []
+        for i in range(args.warmup + args.runs):  # warm-up runs (fresh server caches) are not counted
+            reset(config, s3, client)
+            ours.append(time_ours(config, client, version))
+            reset(config, s3, client)
+            naive.append(time_naive(config, client, s3, version))
+            label = "warm-up" if i < args.warmup else f"run {i + 1 - args.warmup}"
+            print(f"{label}: sync (server-side copy + sha256 verify) {ours[-1]:.2f} s | "
+                  f"naive download+reupload via MLflow proxy {naive[-1]:.2f} s")
+        ours, naive = ours[args.warmup:], naive[args.warmup:]
     figure, baseline = statistics.median(ours), statistics.median(naive)
     ratio = baseline / figure
     met = ratio >= 3 and figure < 3

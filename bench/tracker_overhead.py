@@ -13,26 +13,22 @@ Usage: python bench/tracker_overhead.py [--steps 300] [--baseline-steps 40]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _results import record  # noqa: E402
+from _scratch import scratch_stack  # noqa: E402
 
 import tracker.skyrl as skyrl_tracker  # noqa: E402  (imports tracker.compat before SkyRL)
 from skyrl.train.utils.callbacks import CallbackInput  # noqa: E402
 from skyrl.train.utils.tracking import Tracking  # noqa: E402
 
 import mlflow  # noqa: E402
-from rlops import stack  # noqa: E402
-from rlops.processes import free_port  # noqa: E402
-from rlops.config import load_config  # noqa: E402
 from tracker import RunSession  # noqa: E402
 
 METRICS_PER_STEP = 100
@@ -126,24 +122,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="steps of 100 metrics for our tracker")
     parser.add_argument("--baseline-steps", type=int, default=40, help="steps for SkyRL's synchronous backend")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        (root / "mlflow.yaml").write_text(json.dumps({
-            "data_dir": str(root / "data"), "server": {"port": free_port()},
-            "storage": {"endpoint_url": f"http://127.0.0.1:{stack.free_s3_port()}", "bucket": "bench"},
-            "tracking": {"experiment": "bench-tracker"}}))
-        config = load_config(root / "mlflow.yaml", environ={})
-        stack.up(config, timeout_s=120)
-        try:
-            ours, ours_cpu = blocking_ours(config, root, args.steps)
-            skyrl = blocking_skyrl(config, args.baseline_steps)
-            ours_rate, ours_enqueue = throughput_ours(config, root, args.steps)
-            async_rate, async_enqueue = throughput_mlflow_async(config, args.steps)
-            for run_name in ("bench-ours-throughput", "bench-mlflow-async"):
-                count = landed(config, run_name, "policy/m00")
-                assert count == args.steps, f"{run_name}: {count} of {args.steps} points of policy/m00 landed"
-        finally:
-            stack.down(config)
+    with scratch_stack(tracking={"experiment": "bench-tracker"}) as (config, root):
+        ours, ours_cpu = blocking_ours(config, root, args.steps)
+        skyrl = blocking_skyrl(config, args.baseline_steps)
+        ours_rate, ours_enqueue = throughput_ours(config, root, args.steps)
+        async_rate, async_enqueue = throughput_mlflow_async(config, args.steps)
+        for run_name in ("bench-ours-throughput", "bench-mlflow-async"):
+            count = landed(config, run_name, "policy/m00")
+            assert count == args.steps, f"{run_name}: {count} of {args.steps} points of policy/m00 landed"
 
     ms = 1000.0
     ours_p50, ours_p99 = statistics.median(ours) * ms, percentile(ours, 0.99) * ms
