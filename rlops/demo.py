@@ -139,8 +139,7 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
     """Run every stage; raise DemoError naming the failed stage. Leaves the stack, hooks and serving up."""
     from mlflow import MlflowClient
 
-    from registry_hooks import Refused
-    from registry_hooks.operations import promote
+    from registry_hooks import Refused, promote
     from registry_hooks.service import register_webhook
     from training import datasets as ds
     from training import local_trainer
