@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,6 +19,7 @@ from mlflow import MlflowClient
 from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 
 from rlops.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from tracker.sender import wait_for_worker
 
 log = logging.getLogger(__name__)
 
@@ -119,14 +119,8 @@ class ArtifactUploader:
 
     # ---- lifecycle
     def flush(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._queue or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
-                    return False
-                self._cond.wait(min(left, 0.5))
-        return True
+            return wait_for_worker(self._cond, lambda: not (self._queue or self._busy), self._thread, timeout_s)
 
     def stop(self) -> None:
         with self._cond:

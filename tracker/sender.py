@@ -5,6 +5,7 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import Callable
 
 from tracker.rest import MAX_METRICS_PER_BATCH, MlflowRest
 from tracker.spool import Chunk, MetricSpool
@@ -13,6 +14,18 @@ log = logging.getLogger(__name__)
 
 MAX_TIMEOUT_DOUBLINGS = 3
 
+
+def wait_for_worker(cond: threading.Condition, done: Callable[[], bool], worker: threading.Thread,
+                    timeout_s: float) -> bool:
+    """With `cond` held: wait until `done()`; False when the bound runs out or `worker` died (a dead
+    thread never notifies, so the wait re-checks twice a second)."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        left = deadline - time.monotonic()
+        if left <= 0 or not worker.is_alive():
+            return False
+        cond.wait(min(left, 0.5))
+    return True
 
 class MetricSender:
     """One daemon thread per session. Points are sent in spool order, so the acknowledgement is a
@@ -48,15 +61,9 @@ class MetricSender:
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until everything submitted so far is acknowledged; False if the bound ran out."""
-        deadline = time.monotonic() + timeout_s
         with self._cond:
             target = self._submitted
-            while self._spool.acked < target:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
-                    return False
-                self._cond.wait(min(left, 0.5))
-        return True
+            return wait_for_worker(self._cond, lambda: self._spool.acked >= target, self._thread, timeout_s)
 
     def stop(self) -> None:
         with self._cond:
