@@ -7,7 +7,6 @@ Everything it starts is recorded in the data dir, so `rlops down` stops it; a re
 """
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import sys
@@ -21,7 +20,7 @@ import httpx
 
 from rlops import processes, stack
 from rlops.config import Config
-from rlops.layout import parse_s3_uri, routes_key
+from rlops.layout import RoutesManifest, parse_s3_uri
 
 HOOKS_SECRET_FILE = "hooks-secret"
 SERVE_READY_TIMEOUT_S = 300.0
@@ -82,49 +81,22 @@ def _start_cli(config: Config, name: str, args: list[str], env: dict[str, str]) 
     return processes.start(config.data_path, name, [sys.executable, "-m", "rlops", *args], env)
 
 
-def _wait(what: str, check: Callable[[], bool], timeout_s: float, record: processes.ProcessRecord | None = None) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        if record is not None and record.process() is None:
-            raise DemoError(f"{what}: the process exited; its log:\n{processes.log_tail(record, 25)}")
-        try:
-            if check():
-                return time.monotonic() - started
-        except DemoError:
-            raise
-        except Exception:  # noqa: BLE001 - a failing probe means "not yet"
-            pass
-        time.sleep(0.25)
-    log = f"; see {record.log}" if record is not None else ""
-    raise DemoError(f"{what}: not ready after {timeout_s:.0f} s{log}")
+def _manifest(config: Config, model: str) -> RoutesManifest:
+    from registry_hooks import storage
+
+    manifest, _ = storage.read_manifest(stack.s3_client(config), parse_s3_uri(config.lora_path), model)
+    return manifest
 
 
-def _manifest(config: Config, model: str) -> dict:
-    location = parse_s3_uri(config.lora_path)
-    body = stack.s3_client(config).get_object(Bucket=location.bucket, Key=routes_key(location, model))["Body"].read()
-    return json.loads(body)
-
-
-def _served_version(config: Config, model: str, alias: str, version: int) -> bool:
-    """True once the manifest serves `version` under `alias`; a recorded refusal of it is an error."""
+def _published_or_refused(config: Config, model: str, alias: str, version: int) -> bool:
+    """The sync has decided about `version` under `alias`: published it, or recorded its refusal."""
     manifest = _manifest(config, model)
-    refused = manifest.get("refused", {}).get(alias)
-    if refused and refused["version"] == version:
-        raise DemoError(f"promotion of v{version} to {alias} was refused: {refused['reason']}")
-    route = manifest.get("aliases", {}).get(alias)
-    return bool(route) and route["version"] == version
+    route, refused = manifest.aliases.get(alias), manifest.refused.get(alias)
+    return (route is not None and route.version == version) or (refused is not None and refused.version == version)
 
 
 def _hooks_secret(config: Config) -> str:
-    if config.hooks.secret:
-        return config.hooks.secret
-    path = config.data_path / HOOKS_SECRET_FILE
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(secrets.token_urlsafe(32))
-    return path.read_text().strip()
+    return config.hooks.secret or stack.secret_file(config.data_path / HOOKS_SECRET_FILE, lambda: secrets.token_urlsafe(32))
 
 
 def _endpoint_ready(base_url: str, wanted: str, version: int) -> bool:
@@ -186,12 +158,16 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
         processes.stop(config.data_path, "hooks")  # restart: it must check adapters against this run's base
         record = _start_cli(config, "hooks", ["hooks", "serve"],
                             _child_env(config, config_path, {**base_env, "RLOPS_HOOKS__SECRET": secret}))
-        _wait("webhook receiver", lambda: _probe(f"{hooks_url}/healthz"), 60, record)
+        processes.wait_healthy(record, lambda: stack.http_ok(f"{hooks_url}/healthz"), 60, "webhook receiver")
         register_webhook(hooks_config)
         time.sleep(WEBHOOK_CACHE_TTL_S)  # the server caches its webhook list; a fresh one is seen after the TTL
         started = time.monotonic()
         MlflowClient(config.tracking_uri).set_registered_model_alias(model, "staging", str(version))
-        _wait("staging published by the webhook/reconciler", lambda: _served_version(config, model, "staging", version), 90)
+        processes.wait_healthy(None, lambda: _published_or_refused(config, model, "staging", version), 90,
+                               "staging published by the webhook/reconciler")
+        refused = _manifest(config, model).refused.get("staging")
+        if refused is not None and refused.version == version:
+            raise DemoError(f"promotion of v{version} to staging was refused: {refused.reason}")
         echo(f"    webhook path: plain MlflowClient set {model}@staging -> v{version}; "
              f"manifest published {time.monotonic() - started:.1f} s later")
         try:
@@ -203,14 +179,15 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
     with progress.stage("serving: Ray Serve LLM endpoint on the CPU engine"):
         record = processes.read_record(config.data_path, "serve")
         if record is None or record.process() is None:
-            if _probe(f"{base_url}/models"):
+            if stack.http_ok(f"{base_url}/models"):
                 echo(f"    reusing the endpoint already running at {base_url}")
             else:
                 record = _start_cli(config, "serve", ["serve"], _child_env(config, config_path, base_env))
         wanted = f"{config.serving.base_model_id}:{model}"
-        production = _manifest(config, model)["aliases"]["production"]["version"]
-        waited = _wait("endpoint", lambda: _endpoint_ready(base_url, wanted, production), SERVE_READY_TIMEOUT_S,
-                       record if record is not None and record.process() is not None else None)
+        production = _manifest(config, model).aliases["production"].version
+        waited = processes.wait_healthy(
+            record if record is not None and record.process() is not None else None,
+            lambda: _endpoint_ready(base_url, wanted, production), SERVE_READY_TIMEOUT_S, "endpoint")
         echo(f"    {base_url} lists {wanted} at v{production} ({waited:.1f} s)")
 
     with progress.stage("answer a maze through the openai client"):
@@ -232,13 +209,6 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
         echo(f"    model {completion.model} (x-rlops-model-version: {summary.served_version}) answered "
              f"{summary.answer!r}: {'solves' if summary.solved else 'does not solve'} maze seed {maze.seed}")
     return summary
-
-
-def _probe(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=3).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def where_to_look(config: Config, summary: DemoSummary) -> str:

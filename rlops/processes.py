@@ -133,19 +133,23 @@ def start(
     return record
 
 
-def wait_healthy(record: ProcessRecord, check: Callable[[], bool], timeout_s: float) -> None:
-    """Poll `check` until it passes; fail early, with the log's tail, if the process dies."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if record.process() is None:
-            raise ProcessError(f"{record.name} exited during startup; last log lines:\n{log_tail(record)}")
+def wait_healthy(record: ProcessRecord | None, check: Callable[[], bool], timeout_s: float,
+                 what: str | None = None) -> float:
+    """Poll `check` until it passes and return the seconds waited; fail early, with the log's tail, if the
+    process dies. Without a record (waiting on a state, not a process) only the timeout applies."""
+    what = what or (record.name if record else "condition")
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if record is not None and record.process() is None:
+            raise ProcessError(f"{what} exited during startup; last log lines:\n{log_tail(record)}")
         try:
             if check():
-                return
+                return time.monotonic() - started
         except Exception:  # noqa: BLE001 - any failure of a health probe means "not yet"
             pass
         time.sleep(0.2)
-    raise ProcessError(f"{record.name} did not become healthy within {timeout_s:.0f}s; last log lines:\n{log_tail(record)}")
+    tail = f"; last log lines:\n{log_tail(record)}" if record is not None else ""
+    raise ProcessError(f"{what} did not become healthy within {timeout_s:.0f}s{tail}")
 
 
 def log_tail(record: ProcessRecord, lines: int = 15) -> str:

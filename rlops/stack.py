@@ -48,7 +48,7 @@ class PartStatus:
 # ------------------------------------------------------------------------------------------------ secrets
 
 
-def _secret_file(path: Path, make) -> str:
+def secret_file(path: Path, make) -> str:
     """A secret generated once into the data dir (mode 0600) so it survives down/up."""
     if path.exists():
         return path.read_text().strip()
@@ -64,7 +64,7 @@ def ensure_s3_credentials(config: Config) -> None:
     """Generate the embedded S3 server's credentials once, unless the environment provides them."""
     if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
         return
-    _secret_file(
+    secret_file(
         config.data_path / S3_CREDENTIALS_FILE,
         lambda: json.dumps({"access_key": "rlops" + secrets.token_hex(6), "secret_key": secrets.token_urlsafe(30)}),
     )
@@ -79,11 +79,16 @@ def _fernet_key() -> str:
 # ------------------------------------------------------------------------------------------ health checks
 
 
-def mlflow_healthy(tracking_uri: str, timeout_s: float = 2.0) -> bool:
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """A GET of `url` answers 200 (any connection error: False)."""
     try:
-        return httpx.get(f"{tracking_uri.rstrip('/')}/health", timeout=timeout_s).status_code == 200
+        return httpx.get(url, timeout=timeout_s).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def mlflow_healthy(tracking_uri: str, timeout_s: float = 2.0) -> bool:
+    return http_ok(f"{tracking_uri.rstrip('/')}/health", timeout_s)
 
 
 def s3_client(config: Config, timeout_s: float = 3.0):
@@ -176,7 +181,7 @@ def mlflow_env(config: Config) -> dict[str, str]:
     env.update(
         MLFLOW_BACKEND_STORE_URI=config.backend_store_uri,
         MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
-        MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY=_secret_file(config.data_path / WEBHOOK_KEY_FILE, _fernet_key),
+        MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY=secret_file(config.data_path / WEBHOOK_KEY_FILE, _fernet_key),
         # Loopback-only settings for the embedded stack (contracts note); cluster manifests keep defaults.
         MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS="true",
         MLFLOW_WEBHOOK_ALLOWED_SCHEMES="http,https",
@@ -184,7 +189,7 @@ def mlflow_env(config: Config) -> dict[str, str]:
         MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD="true",
     )
     if config.server.auth:
-        env["MLFLOW_FLASK_SERVER_SECRET_KEY"] = _secret_file(
+        env["MLFLOW_FLASK_SERVER_SECRET_KEY"] = secret_file(
             config.data_path / FLASK_SECRET_FILE, lambda: secrets.token_hex(32)
         )
     return env

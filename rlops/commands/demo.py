@@ -15,11 +15,12 @@ from rlops.commands.context import CliContext, pass_ctx
 def demo_command(obj: CliContext, fast: bool, as_json: bool) -> None:
     """Run the whole loop on this machine; leaves MLflow, S3, hooks and the endpoint running (`rlops down` stops them)."""
     from rlops.demo import DemoError, run_demo, where_to_look
+    from rlops.processes import ProcessError
     from rlops.stack import StackError
 
     try:
         summary = run_demo(obj.config, fast=fast, config_path=obj.path, echo=click.echo)
-    except (DemoError, StackError) as exc:
+    except (DemoError, ProcessError, StackError) as exc:
         raise click.ClickException(f"demo stopped: {exc}\nEverything it started is still recorded; `rlops down` stops it.") from None
     click.echo(where_to_look(obj.config, summary))
     if as_json:
