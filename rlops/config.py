@@ -10,6 +10,7 @@ Each package owns its section (contracts note): add keys there, with defaults; u
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -414,8 +415,6 @@ def s3_credentials(config: Config, environ: Mapping[str, str] | None = None) -> 
         return environ["AWS_ACCESS_KEY_ID"], environ["AWS_SECRET_ACCESS_KEY"]
     path = config.data_path / S3_CREDENTIALS_FILE
     if path.exists():
-        import json
-
         data = json.loads(path.read_text())
         return data["access_key"], data["secret_key"]
     if config.storage.managed:
