@@ -1,13 +1,14 @@
 """Alias set -> routes manifest published, for a 175 MB LoRA adapter (Qwen3-VL-8B, rank 32, all-linear, bf16).
 
 Ours: `sync_model` (what the webhook / reconciler / promote CLI run): server-side CopyObject into the
-immutable folder, sha256 of every copied file read back and checked, conditional manifest PUT.
+immutable folder while the source's bytes are hashed and checked against the tracker's sha256 (copy and
+read both conditional on the source's ETag; the copy's ETag must equal it), conditional manifest PUT.
 Baseline, measured in the same run on the same stack: the naive path, download the artifacts through the
 MLflow artifact proxy and re-upload them to the serving prefix, then PUT the manifest (no verification).
 Each run starts from an absent folder and manifest; one warm-up run of each is not counted. Goal: >= 3x faster than the baseline and < 3 s.
 The trigger's own latency (webhook delivery, ~0.6 s in tests/test_promotion_hooks.py) is not included.
 
-Usage: python bench/promotion.py [--runs 3] [--warmup 1] [--size-mb 175]
+Usage: python bench/promotion.py [--runs 5] [--warmup 1] [--size-mb 175]
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def time_naive(config, client, s3, version: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--size-mb", type=int, default=175)
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
@@ -129,7 +130,7 @@ def main() -> None:
             reset(config, s3, client)
             naive.append(time_naive(config, client, s3, version))
             label = "warm-up" if i < args.warmup else f"run {i + 1 - args.warmup}"
-            print(f"{label}: sync (server-side copy + sha256 verify) {ours[-1]:.2f} s | "
+            print(f"{label}: sync (server-side copy + sha256 check) {ours[-1]:.2f} s | "
                   f"naive download+reupload via MLflow proxy {naive[-1]:.2f} s")
         ours, naive = ours[args.warmup:], naive[args.warmup:]
     figure, baseline = statistics.median(ours), statistics.median(naive)

@@ -70,28 +70,27 @@ def read_object(client, ref: ObjectRef) -> bytes:
     return client.get_object(Bucket=ref.bucket, Key=ref.key)["Body"].read()
 
 
-def sha256_of(client, ref: ObjectRef) -> str:
+def sha256_of(client, ref: ObjectRef, if_match: str | None = None) -> str:
+    """sha256 of an object's bytes; with `if_match`, of that ETag's version only (else PreconditionFailed)."""
     digest = hashlib.sha256()
-    body = client.get_object(Bucket=ref.bucket, Key=ref.key)["Body"]
+    condition = {"IfMatch": if_match} if if_match else {}
+    body = client.get_object(Bucket=ref.bucket, Key=ref.key, **condition)["Body"]
     for chunk in body.iter_chunks(CHUNK):
         digest.update(chunk)
     return digest.hexdigest()
 
 
-def is_plain_md5_etag(etag: str) -> bool:
-    """Single-part objects' ETag is the MD5 of their bytes; multipart ETags ('...-N') are not."""
-    value = etag.strip('"')
-    return len(value) == 32 and all(c in "0123456789abcdef" for c in value)
-
-
-def server_side_copy(client, src: ObjectRef, dst: ObjectRef, size: int, progress: Progress | None = None) -> str:
-    """The bytes never leave the S3 server: one CopyObject, or UploadPartCopy parts above 5 GiB.
-    Returns the new object's ETag ("" when the multipart path was used)."""
+def server_side_copy(client, src: ObjectRef, dst: ObjectRef, size: int, progress: Progress | None = None,
+                     if_match: str | None = None) -> str:
+    """The bytes never leave the S3 server: one CopyObject, or UploadPartCopy parts above 5 GiB; with
+    `if_match`, only of that ETag's version of the source. Returns the new object's ETag ("" when the
+    multipart path was used: its ETag depends on the part size, so it proves nothing)."""
     source = {"Bucket": src.bucket, "Key": src.key}
+    condition = {"CopySourceIfMatch": if_match} if if_match else {}
     if size >= SINGLE_COPY_LIMIT:
-        client.copy(source, dst.bucket, dst.key, Config=SERVER_SIDE_COPY, Callback=progress)
+        client.copy(source, dst.bucket, dst.key, ExtraArgs=condition, Config=SERVER_SIDE_COPY, Callback=progress)
         return ""
-    response = client.copy_object(CopySource=source, Bucket=dst.bucket, Key=dst.key)
+    response = client.copy_object(CopySource=source, Bucket=dst.bucket, Key=dst.key, **condition)
     if progress is not None:
         progress(size)
     return response.get("CopyObjectResult", {}).get("ETag", "")

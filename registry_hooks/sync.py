@@ -111,14 +111,17 @@ class S3SourceFiles:
         if self.mode != "server_side":
             storage.streaming_copy(self.p.source, self._ref(name), self.p.dest, dst, self.p.on_bytes)
             return None
-        # Hash the source while the server copies it; the copy is proven byte-identical by the server's
-        # MD5 ETag (single-part objects), so nothing has to be read back. Otherwise the caller reads it back.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            source_sha256 = pool.submit(storage.sha256_of, self.p.source, self._ref(name))
-            copied_etag = storage.server_side_copy(self.p.dest, self._ref(name), dst, self.sizes[name], self.p.on_bytes)
-            digest = source_sha256.result()
+        # Hash the source while the server copies that same version of it (both conditional on the listed
+        # ETag). A copy with the source's ETag (MD5 or multipart MD5-of-parts) holds the bytes just hashed,
+        # so nothing is read back; any other ETag and the caller reads the copy back.
         source_etag = self.objects[name].etag
-        return digest if storage.is_plain_md5_etag(source_etag) and copied_etag == source_etag else None
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            source_sha256 = pool.submit(storage.sha256_of, self.p.source, self._ref(name), source_etag)
+            copied_etag = storage.server_side_copy(self.p.dest, self._ref(name), dst, self.sizes[name],
+                                                   self.p.on_bytes, if_match=source_etag)
+            digest = source_sha256.result()
+        same = source_etag and copied_etag.strip('"') == source_etag.strip('"')  # quoted in listings, not in copies
+        return digest if same else None
 
 
 class DownloadedFiles:

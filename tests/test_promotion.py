@@ -49,6 +49,46 @@ def test_sync_publishes_alias_as_verified_immutable_folder(stack, test_config, m
     assert not again.changed and again.generation == manifest.generation and again.bytes_copied == 0
 
 
+def test_server_side_copy_hashes_each_source_once_and_never_reads_the_copy_back(stack, test_config, mlflow_client,
+                                                                              registered):
+    model = test_config.registry.models[0]
+    v1 = registered(seed=1)
+    mlflow_client.set_registered_model_alias(model, "production", str(v1))
+    promoter = Promoter(test_config)
+    full_reads = []
+    promoter.source.meta.events.register(
+        "before-parameter-build.s3.GetObject",
+        lambda params, **_: full_reads.append((params["Key"], params.get("IfMatch"))) if "Range" not in params else None)
+
+    report = promoter.sync(model, trigger="test")
+
+    assert report.copy_mode == "server_side" and report.served == {"production": v1}
+    folder = version_folder(model, v1)
+    assert not [key for key, _ in full_reads if f"/{folder}/" in key]  # the copies are never read back
+    weights = [(key, etag) for key, etag in full_reads if key.endswith(ADAPTER_WEIGHTS)]
+    assert len(weights) == 1 and weights[0][1]  # the source weights hashed once, pinned to the listed ETag
+
+
+def test_copy_and_hash_refuse_a_source_replaced_since_listing(stack, test_config):
+    from botocore.exceptions import ClientError
+
+    from registry_hooks import storage
+    from rlops.stack import s3_client
+
+    s3 = s3_client(test_config)
+    bucket = test_config.storage.bucket
+    prefix = f"scratch/{test_config.registry.models[0]}"
+    src, dst = storage.ObjectRef(bucket, f"{prefix}/src"), storage.ObjectRef(bucket, f"{prefix}/dst")
+    s3.put_object(Bucket=bucket, Key=src.key, Body=b"first")
+    listed = s3.head_object(Bucket=bucket, Key=src.key)["ETag"]
+    s3.put_object(Bucket=bucket, Key=src.key, Body=b"second")  # replaced after it was listed
+    for attempt in (lambda: storage.sha256_of(s3, src, if_match=listed),
+                    lambda: storage.server_side_copy(s3, src, dst, 6, if_match=listed)):
+        with pytest.raises(ClientError, match="PreconditionFailed|412"):
+            attempt()
+    assert "Contents" not in s3.list_objects_v2(Bucket=bucket, Prefix=dst.key)
+
+
 def test_sync_follows_alias_moves_and_deletes(stack, test_config, mlflow_client, registered):
     model = test_config.registry.models[0]
     v1, v2 = registered(seed=1), registered(seed=2)
