@@ -163,8 +163,7 @@ class RunSession:
         """Enqueue one step's metrics (timestamp fixed now); returns after the local spool append."""
         self._check_open()
         step = _check_step(step)
-        if not isinstance(metrics, Mapping):
-            raise TypeError(f"metrics must be a mapping of name -> number, got {type(metrics).__name__}")
+        _check_metrics(metrics)
         now = int(time.time() * 1000)
         # strings only, no per-point objects: the hot path should not wake the garbage collector
         bodies = [encode(metric_key(k), as_float(k, v), now, step) for k, v in metrics.items()]
@@ -210,8 +209,7 @@ class RunSession:
         the checkpoint is logged before or after the eval."""
         self._check_open()
         step = _check_step(step)
-        if not isinstance(metrics, Mapping):
-            raise TypeError(f"metrics must be a mapping of name -> number, got {type(metrics).__name__}")
+        _check_metrics(metrics)
         now = int(time.time() * 1000)
         points = [Point(metric_key(k), as_float(k, v), now, step) for k, v in metrics.items()]
         with self._lock:
@@ -408,6 +406,11 @@ def _linked(point: Point, model_id: str) -> Point:
 def _plain(value: Any) -> Any:
     """numpy/torch scalars -> Python scalars, so a table row serializes to JSON."""
     return value.item() if hasattr(value, "item") and getattr(value, "ndim", 0) == 0 else value
+
+
+def _check_metrics(metrics: Any) -> None:
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a mapping of name -> number, got {type(metrics).__name__}")
 
 
 def _check_step(step: Any) -> int:
