@@ -3,8 +3,10 @@
 Baseline = the SFT base (what GRPO starts from), measured in the same run on the same mazes: the fixed local
 eval set (`maze_2d/local7`, 64 mazes) and 256 further held-out mazes (`maze_2d/local7-heldout`, seeds
 1000-1255, never trained on). "After" is the last checkpoint of the budget (not the best one on the eval
-set, which would be a selected, optimistic number). Also prints seconds per GRPO step and writes the
-fixed-eval curve to bench/local_training.png. Runs its own stack (MLflow + S3) in the data dir; the SFT
+set, which would be a selected, optimistic number). Each model is scored twice: greedy (the goal's metric,
+Wilson intervals) and pass@1 of `training.local.eval_samples` answers per maze sampled at the training
+temperature, which is what GRPO optimises (intervals over per-maze rates). Also prints seconds per GRPO step
+and writes both fixed-eval curves to bench/local_training.png. Runs its own stack (MLflow + S3) in the data dir; the SFT
 base is cached there, so a second run skips SFT.
 
     .venv/bin/python bench/local_training.py [--budget 300] [--data-dir .rlops/bench]
@@ -26,7 +28,7 @@ GOAL = "held-out solve rate after GRPO > before beyond the 95% intervals (aim +2
 PNG = Path(__file__).with_name("local_training.png")
 
 
-def evaluate_model(model_dir: Path, adapter_dir: Path | None, maze_sets, max_new_tokens: int) -> dict:
+def evaluate_model(model_dir: Path, adapter_dir: Path | None, maze_sets, local) -> dict:
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
@@ -37,18 +39,21 @@ def evaluate_model(model_dir: Path, adapter_dir: Path | None, maze_sets, max_new
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(adapter_dir))
     processor = load_processor(model_dir)
-    return {s.data_source: evaluate(model, processor, s, max_new_tokens) for s in maze_sets}
+    return {s.data_source: evaluate(model, processor, s, local.max_completion_tokens, local.eval_samples, local.temperature)
+            for s in maze_sets}
 
 
-def plot(curve: list[tuple[int, float]], before: dict, after: dict, heldout_source: str, path: Path) -> None:
+def plot(result, before: dict, after: dict, heldout_source: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps, rates = zip(*curve)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, rates, marker="o", label="fixed eval (64 mazes), greedy")
+    for points, label in ((result.curve, "greedy"), (result.sampled_curve, "sampled pass@1")):
+        if points:
+            steps, rates = zip(*points)
+            ax.plot(steps, rates, marker="o", label=f"fixed eval (64 mazes), {label}")
     for label, res, style in (("held-out before", before[heldout_source], ":"), ("held-out after", after[heldout_source], "--")):
         ax.axhline(res.solve_rate, linestyle=style, color="gray" if "before" in label else "black", label=f"{label} (256)")
         ax.axhspan(*res.ci95, color="gray", alpha=0.12)
@@ -83,29 +88,38 @@ def main() -> None:
         base = ensure_base(config)
         print(f"SFT base: {base} ({time.monotonic() - started:.0f} s, cached after the first run)")
         sets = [ds.local_eval_set(local.eval_size), ds.heldout_set(local.eval_size, 256)]
-        before = evaluate_model(base, None, sets, local.max_completion_tokens)
+        before = evaluate_model(base, None, sets, local)
         run_dir = config.data_path / "runs" / time.strftime("%Y%m%d-%H%M%S")
         result = train(config, run_dir, budget_s=budget, steps=100_000)
-        after = evaluate_model(base, result.adapter_dir, sets, local.max_completion_tokens)
+        after = evaluate_model(base, result.adapter_dir, sets, local)
     finally:
         stack.down(config)
 
     print(f"GRPO: {result.steps} steps in {result.seconds:.0f} s = {result.seconds_per_step:.3f} s/step "
           f"(budget {budget:.0f} s, 2 CPU cores shared)")
-    print("fixed-eval curve: " + ", ".join(f"{s}:{r:.3f}" for s, r in result.curve))
+    print("fixed-eval curve, greedy: " + ", ".join(f"{s}:{r:.3f}" for s, r in result.curve))
+    print("fixed-eval curve, sampled pass@1: " + ", ".join(f"{s}:{r:.3f}" for s, r in result.sampled_curve))
     for maze_set in sets:
         b, a = before[maze_set.data_source], after[maze_set.data_source]
-        beyond = a.ci95[0] > b.ci95[1]
-        print(f"{maze_set.data_source:<24} n={len(maze_set.seeds):<4} before {b.solve_rate:.3f} "
-              f"[{b.ci95[0]:.3f}, {b.ci95[1]:.3f}]  after {a.solve_rate:.3f} [{a.ci95[0]:.3f}, {a.ci95[1]:.3f}]  "
-              f"delta {100 * (a.solve_rate - b.solve_rate):+.1f} points  beyond the intervals: {'yes' if beyond else 'no'}")
+        scores = [("greedy", b.solve_rate, b.ci95, a.solve_rate, a.ci95)]
+        if b.sampled_rate is not None:
+            scores.append((f"sampled x{local.eval_samples}", b.sampled_rate, b.sampled_ci95, a.sampled_rate, a.sampled_ci95))
+        for label, rb, cb, ra, ca in scores:
+            print(f"{maze_set.data_source:<24} n={len(maze_set.seeds):<4} {label:<10} before {rb:.3f} [{cb[0]:.3f}, {cb[1]:.3f}]"
+                  f"  after {ra:.3f} [{ca[0]:.3f}, {ca[1]:.3f}]  delta {100 * (ra - rb):+.1f} points  "
+                  f"beyond the intervals: {'yes' if ca[0] > cb[1] else 'no'}")
     heldout = sets[1].data_source
-    plot(result.curve, before, after, heldout, PNG)
+    plot(result, before, after, heldout, PNG)
     print(f"curve written to {PNG}")
     b, a = before[heldout].solve_rate, after[heldout].solve_rate
     print(f"held-out solve rate after/before ratio {a / b if b else float('nan'):.3f}")
     record("local_training.py", a, "held-out solve rate (256 mazes) after the GRPO budget", b,
            a / b if b else None, GOAL)
+    sb, sa = before[heldout].sampled_rate, after[heldout].sampled_rate
+    if sb is not None:
+        record("local_training.py:sampled", sa, f"held-out pass@1 (256 mazes x {local.eval_samples} samples at "
+               f"temperature {local.temperature}) after the GRPO budget", sb, sa / sb if sb else None,
+               "report only: GRPO's own objective, beside the greedy goal")
     record("local_training.py:s_per_step", result.seconds_per_step, "s per GRPO step (32 completions, 2 cores)",
            None, None, "report only")
 

@@ -165,6 +165,8 @@ class LocalTrainingConfig(_Section):
     lora_rank: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)
     max_completion_tokens: int = Field(20, ge=2)
+    eval_samples: int = Field(4, ge=0, le=64, description="answers sampled per eval maze at `temperature`, logged as "
+                              "`sampled_avg_score` beside greedy `avg_score`; 0 = greedy only")
     sft_steps: int = Field(1200, ge=0)
     sft_learning_rate: float = Field(3e-3, gt=0)
     seed: int = 0

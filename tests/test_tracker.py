@@ -206,6 +206,8 @@ def test_inputs_are_validated_with_specific_messages(test_config, tmp_path):
         for log in (session.log_metrics, session.log_eval_metrics):
             with pytest.raises(TypeError, match="metrics must be a mapping of name -> number, got list"):
                 log([("loss", 1.0)], step=1)
+        with pytest.raises(TypeError, match="metrics must be a mapping of name -> number, got list"):
+            session.log_eval("maze_2d/easy", 0.5, [], step=1, metrics=[("sampled_avg_score", 0.5)])
         with pytest.raises(ValueError, match="solve_rate must be within"):
             session.log_eval("maze_2d/easy", 1.5, [], step=1)
         with pytest.raises(ValueError, match="eval row 0 lacks final_distance"):

@@ -8,8 +8,8 @@ from click.testing import CliRunner
 from rlops.cli import main
 from training import datasets as ds
 from training.local_trainer import (
-    TrainingError, check_fits_machine, completion_text, estimate_parameters, maze_reward, shaped_reward,
-    solved_reward, train, wilson_interval,
+    SAMPLED_METRIC, TrainingError, check_fits_machine, completion_text, estimate_parameters, evaluate,
+    maze_mean_interval, maze_reward, shaped_reward, solved_reward, train, wilson_interval,
 )
 from training.maze import answer_text, generate_maze, move, solve, walk_answer
 
@@ -47,6 +47,36 @@ def test_wilson_interval_brackets_the_rate():
     assert wilson_interval(0, 64)[0] == 0.0 and wilson_interval(64, 64)[1] == 1.0
 
 
+def test_sampled_interval_spreads_between_mazes_not_samples():
+    # 4 samples of 64 mazes: every maze solved half the time vs half the mazes always solved.
+    even, split = [0.5] * 64, [1.0] * 32 + [0.0] * 32
+    assert maze_mean_interval(even) == (0.5, 0.5)  # no maze-to-maze spread
+    low, high = maze_mean_interval(split)
+    assert low < 0.5 < high and high - low == pytest.approx(2 * 1.96 * (0.5039 / 8), abs=1e-3)
+    assert maze_mean_interval([1.0]) == (0.0, 1.0)
+
+
+def test_sampled_eval_is_reproducible_and_leaves_the_training_rng_alone(tmp_path):
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from rlops.vlm import load_processor
+    from training.tiny_vlm import build_tiny_vlm
+
+    init = build_tiny_vlm(tmp_path / "tiny", seed=0)
+    model, processor = AutoModelForImageTextToText.from_pretrained(str(init)), load_processor(init)
+    mazes = ds.MazeSet("maze_2d/test5", 5, (0, 1, 2))
+    torch.manual_seed(7)
+    rng = torch.get_rng_state()
+    first = evaluate(model, processor, mazes, 6, samples=3, temperature=1.0)
+    assert torch.equal(torch.get_rng_state(), rng)
+    again = evaluate(model, processor, mazes, 6, samples=3, temperature=1.0)
+    greedy_only = evaluate(model, processor, mazes, 6)
+    assert first.sampled_rate == again.sampled_rate and 0.0 <= first.sampled_rate <= 1.0
+    assert first.sampled_ci95[0] <= first.sampled_rate <= first.sampled_ci95[1]
+    assert greedy_only.sampled_rate is None and greedy_only.rows == first.rows
+
+
 def test_too_large_base_is_refused_before_loading():
     assert estimate_parameters("Qwen/Qwen3-VL-8B-Instruct") == 8_000_000_000
     assert estimate_parameters("some/model") is None
@@ -71,6 +101,7 @@ def test_local_grpo_run_lands_in_mlflow(test_config, mlflow_client, tmp_path):
     local.num_generations, local.prompts_per_step = 4, 2
     local.ckpt_interval = local.eval_interval = 2
     local.max_completion_tokens = 8
+    local.eval_samples = 2
     result = train(config, tmp_path / "run", steps=4, budget_s=600, fast=True, log=lambda _: None)
 
     assert result.steps == 4 and [s for s, _ in result.curve] == [0, 2, 4]
@@ -84,6 +115,9 @@ def test_local_grpo_run_lands_in_mlflow(test_config, mlflow_client, tmp_path):
     evals = mlflow_client.get_metric_history(result.run_id, f"eval/{source}/avg_score")
     assert sorted(m.step for m in evals) == [0, 2, 4]
     assert {m.step: m.value for m in evals}[4] == pytest.approx(result.after)
+    sampled = mlflow_client.get_metric_history(result.run_id, f"eval/{source}/{SAMPLED_METRIC}")
+    assert {m.step: m.value for m in sampled} == pytest.approx(dict(result.sampled_curve))
+    assert [s for s, _ in result.sampled_curve] == [0, 2, 4] and result.sampled_after == result.sampled_curve[-1][1]
 
     models = mlflow_client.search_logged_models(experiment_ids=[run.info.experiment_id],
                                                 filter_string=f"source_run_id = '{result.run_id}'")

@@ -186,8 +186,10 @@ class RunSession:
             raise
         return True
 
-    def log_eval(self, data_source: str, solve_rate: float, rows: list[dict], step: int) -> None:
-        """Log `eval/<data_source>/avg_score` (linked to this step's checkpoint) and the per-maze table."""
+    def log_eval(self, data_source: str, solve_rate: float, rows: list[dict], step: int,
+                 metrics: Mapping[str, float] | None = None) -> None:
+        """Log `eval/<data_source>/avg_score` (linked to this step's checkpoint), the per-maze table, and
+        any further named scores of the same eval as `eval/<data_source>/<name>`."""
         self._check_open()
         step = _check_step(step)
         rate = as_float("solve_rate", solve_rate)
@@ -199,7 +201,9 @@ class RunSession:
             missing = [k for k in EVAL_ROW_KEYS if k not in row]
             if missing:
                 raise ValueError(f"eval row {i} lacks {', '.join(missing)} (need {', '.join(EVAL_ROW_KEYS)})")
-        self.log_eval_metrics({eval_key(data_source): rate}, step)
+        metrics = {} if metrics is None else metrics
+        _check_metrics(metrics)
+        self.log_eval_metrics({eval_key(data_source): rate, **{eval_key(data_source, k): v for k, v in metrics.items()}}, step)
         table = [{k: _plain(row[k]) for k in EVAL_ROW_KEYS} | {"step": step} for row in rows]
         if table:
             self._uploader.add_table(f"{TABLE_DIR}/{data_source.strip('/')}/step_{step:06d}.json", table)

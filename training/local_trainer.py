@@ -93,10 +93,17 @@ def solved_reward(prompts: list, completions: list, layout: list[str], **_: Any)
 
 @dataclass
 class EvalResult:
+    """Greedy solve rate (the headline: what picks the best checkpoint) and, when asked for, the solve rate
+    of the sampling policy: pass@1 at the training temperature, the mean over `samples` answers per maze.
+    GRPO optimises the second one; logging both shows whether it changed the greedy answer or only
+    sharpened sampling towards it."""
+
     data_source: str
     solve_rate: float
     ci95: tuple[float, float]
     rows: list[dict]
+    sampled_rate: float | None = None
+    sampled_ci95: tuple[float, float] | None = None
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -110,24 +117,46 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-def generate_answers(model, processor, mazes: list[Maze], max_new_tokens: int, batch_size: int = 64) -> list[str]:
-    """Greedy answers for `mazes` (left-padded batches)."""
+def maze_mean_interval(per_maze: list[float], z: float = 1.96) -> tuple[float, float]:
+    """95% normal interval of a mean over mazes. Several samples of one maze are not independent trials,
+    so the spread is taken between per-maze rates (a Wilson interval over all samples would be too narrow)."""
+    n = len(per_maze)
+    if n < 2:
+        return (0.0, 1.0)
+    mean = sum(per_maze) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in per_maze) / (n - 1))
+    return (max(0.0, mean - z * sd / math.sqrt(n)), min(1.0, mean + z * sd / math.sqrt(n)))
+
+
+# `eval/<data_source>/sampled_avg_score`: pass@1 at the training temperature, beside greedy `avg_score`.
+SAMPLED_METRIC = "sampled_avg_score"
+# Sampled evals draw from their own generator, seeded the same at every checkpoint: the training RNG is
+# left alone, and checkpoints are compared on the same random numbers.
+EVAL_SAMPLING_SEED = 1234
+
+
+def generate_answers(model, processor, mazes: list[Maze], max_new_tokens: int, batch_size: int = 64,
+                     temperature: float = 0.0) -> list[str]:
+    """One answer per maze (left-padded batches): greedy at temperature 0, else sampled from the full
+    distribution at `temperature` (no top-k/top-p, like GRPO's rollouts)."""
     import torch
 
     tokenizer = processor.tokenizer
     previous_side, tokenizer.padding_side = tokenizer.padding_side, "left"
     prompt = processor.apply_chat_template(prompt_messages(), tokenize=False, add_generation_prompt=True)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
     answers: list[str] = []
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(EVAL_SAMPLING_SEED)
             for i in range(0, len(mazes), batch_size):
                 chunk = mazes[i:i + batch_size]
                 batch = processor(text=[prompt] * len(chunk), images=[maze_image(m) for m in chunk],
                                   padding=True, return_tensors="pt")
-                out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                     pad_token_id=tokenizer.pad_token_id)
+                out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                     **sampling)
                 answers += processor.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
     finally:
         tokenizer.padding_side = previous_side
@@ -135,14 +164,24 @@ def generate_answers(model, processor, mazes: list[Maze], max_new_tokens: int, b
     return answers
 
 
-def evaluate(model, processor, maze_set: ds.MazeSet, max_new_tokens: int) -> EvalResult:
-    """Greedy solve rate (unshaped task reward) on a named maze set, with per-maze rows."""
+def evaluate(model, processor, maze_set: ds.MazeSet, max_new_tokens: int, samples: int = 0,
+             temperature: float = 1.0) -> EvalResult:
+    """Greedy solve rate (unshaped task reward) on a named maze set, with per-maze rows; with `samples` > 0
+    also pass@1 of `samples` answers per maze sampled at `temperature`."""
     mazes = maze_set.mazes()
     walks = [walk_answer(m, a) for m, a in zip(mazes, generate_answers(model, processor, mazes, max_new_tokens))]
     rows = [{"seed": m.seed, "solved": w.solved, "steps": w.steps, "final_distance": w.final_distance}
             for m, w in zip(mazes, walks)]
     solved = sum(w.solved for w in walks)
-    return EvalResult(maze_set.data_source, solved / len(mazes), wilson_interval(solved, len(mazes)), rows)
+    result = EvalResult(maze_set.data_source, solved / len(mazes), wilson_interval(solved, len(mazes)), rows)
+    if samples > 0:
+        repeated = [m for m in mazes for _ in range(samples)]
+        answers = generate_answers(model, processor, repeated, max_new_tokens, temperature=temperature)
+        hits = [walk_answer(m, a).solved for m, a in zip(repeated, answers)]
+        per_maze = [sum(hits[i:i + samples]) / samples for i in range(0, len(hits), samples)]
+        result.sampled_rate = sum(per_maze) / len(per_maze)
+        result.sampled_ci95 = maze_mean_interval(per_maze)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------- base
@@ -279,9 +318,12 @@ class TrainResult:
     seconds: float
     seconds_per_step: float
     eval_data_source: str
-    curve: list[tuple[int, float]] = field(default_factory=list)  # (step, fixed-eval solve rate)
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (step, fixed-eval greedy solve rate)
     before: float | None = None
     after: float | None = None
+    sampled_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, pass@1 at the training temperature)
+    sampled_before: float | None = None
+    sampled_after: float | None = None
     registered_version: str | None = None
     adapter_dir: Path | None = None  # the last checkpoint's adapter folder
 
@@ -313,15 +355,14 @@ def _run_config(config: Config, base_model: str) -> Config:
 
 
 class FixedEvalCallback(TrainerCallback):
-    """Evaluate on a fixed maze set at the start and after every checkpoint (so each score measures the
-    checkpoint of its step); `on_result(step, EvalResult)` records it."""
+    """Score the model at the start and after every checkpoint (so each score measures the checkpoint of
+    its step); `on_result(step, EvalResult)` records it."""
 
-    def __init__(self, processor, maze_set: ds.MazeSet, max_new_tokens: int,
-                 on_result: Callable[[int, EvalResult], None]):
-        self.processor, self.maze_set, self.max_new_tokens, self.on_result = processor, maze_set, max_new_tokens, on_result
+    def __init__(self, score: Callable[[Any], EvalResult], on_result: Callable[[int, EvalResult], None]):
+        self.score, self.on_result = score, on_result
 
     def _eval(self, model, step: int) -> None:
-        self.on_result(step, evaluate(model, self.processor, self.maze_set, self.max_new_tokens))
+        self.on_result(step, self.score(model))
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._eval(model, state.global_step)
@@ -412,12 +453,19 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
         result.run_id = session.run_id
         processor = load_processor(base)
 
-        def record(step: int, scored: EvalResult) -> None:
-            session.log_eval(scored.data_source, scored.solve_rate, scored.rows, step=step)
-            result.curve.append((step, scored.solve_rate))
+        eval_set = ds.local_eval_set(local.eval_size)
 
-        callbacks = [TrackerCallback(session), BudgetCallback(budget_s),
-                     FixedEvalCallback(processor, ds.local_eval_set(local.eval_size), local.max_completion_tokens, record)]
+        def score(model) -> EvalResult:
+            return evaluate(model, processor, eval_set, local.max_completion_tokens, local.eval_samples, local.temperature)
+
+        def record(step: int, scored: EvalResult) -> None:
+            extra = {} if scored.sampled_rate is None else {SAMPLED_METRIC: scored.sampled_rate}
+            session.log_eval(scored.data_source, scored.solve_rate, scored.rows, step=step, metrics=extra)
+            result.curve.append((step, scored.solve_rate))
+            if scored.sampled_rate is not None:
+                result.sampled_curve.append((step, scored.sampled_rate))
+
+        callbacks = [TrackerCallback(session), BudgetCallback(budget_s), FixedEvalCallback(score, record)]
         trainer = grpo_trainer(config, base, run_dir, steps, callbacks, processor)
         started = time.monotonic()
         trainer.train()
@@ -428,6 +476,8 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
         result.registered_version = version.version if version is not None else None
     if result.curve:
         result.before, result.after = result.curve[0][1], result.curve[-1][1]
+    if result.sampled_curve:
+        result.sampled_before, result.sampled_after = result.sampled_curve[0][1], result.sampled_curve[-1][1]
     last = run_dir / f"checkpoint-{result.steps}"
     result.adapter_dir = last if last.is_dir() else None
     return result

@@ -56,8 +56,10 @@ def train(obj: CliContext, local: bool, steps: int | None, budget_s: float | Non
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
         return
-    curve = ", ".join(f"{step}: {rate:.3f}" for step, rate in result.curve)
     click.echo(f"run {result.run_id}: {result.steps} GRPO steps in {result.seconds:.0f} s "
                f"({result.seconds_per_step:.2f} s/step)")
-    click.echo(f"eval {result.eval_data_source} solve rate by step: {curve}")
+    for label, points in (("greedy", result.curve), ("sampled pass@1", result.sampled_curve)):
+        if points:
+            curve = ", ".join(f"{step}: {rate:.3f}" for step, rate in points)
+            click.echo(f"eval {result.eval_data_source} {label} solve rate by step: {curve}")
     click.echo(f"registered version: {result.registered_version or '(none: no checkpoint was evaluated)'}")
