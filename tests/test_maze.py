@@ -172,6 +172,9 @@ def test_built_datasets_keep_eval_layouts_and_never_train_on_them(tmp_path):
     assert manifest["eval_sets"]["maze_2d/local7"]["layout_sha256"] == EVAL_LAYOUT_SHA256["maze_2d/local7"]
     held = ds.read_rows(paths.local_heldout)
     assert len(held) == 256 and {r["data_source"] for r in held} == {"maze_2d/local7-heldout"}
+    # Few 7x7 layouts exist (a 3x3 grid of cells): the held-out mazes are distinct and none is a fixed-eval one.
+    held_layouts = {ds.layout_key(ds.maze_from_layout(r["layout"])) for r in held}
+    assert len(held_layouts) == 256 and not held_layouts & {ds.layout_key(ds.maze_from_layout(r["layout"])) for r in local_eval}
     # Training never overlaps evaluation: seeds disjoint, and no eval/held-out layout in the local train set.
     eval_seeds = {r["seed"] for r in local_eval + held} | {r["extra_info"]["seed"] for r in eval_rows}
     train_local = ds.read_rows(paths.local_train)

@@ -10,6 +10,7 @@ of seed, grid, start and goal), which is identical wherever the set is built.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -54,9 +55,28 @@ def local_eval_set(size: int = 7) -> MazeSet:
     return MazeSet(f"maze_2d/local{size}", size, tuple(EVAL_SEEDS))
 
 
+@functools.lru_cache(maxsize=16)
 def heldout_set(size: int = 7, count: int = 256) -> MazeSet:
-    return MazeSet(f"maze_2d/local{size}-heldout", size,
-                   tuple(range(HELDOUT_SEED_START, HELDOUT_SEED_START + count)))
+    """`count` further eval mazes: the first seeds from HELDOUT_SEED_START whose layouts are new and not in
+    the fixed local eval set. Consecutive seeds would repeat layouts: a 7x7 maze has a 3x3 grid of cells,
+    so there are only a few hundred of them (256 seeds held 214 layouts, 17 of them fixed-eval ones)."""
+    taken = {layout_key(m) for m in local_eval_set(size).mazes()}
+    seeds: list[int] = []
+    seed = HELDOUT_SEED_START
+    while len(seeds) < count:
+        key = layout_key(generate_maze(seed, size))
+        if key not in taken:
+            taken.add(key)
+            seeds.append(seed)
+        seed += 1
+        if seed - HELDOUT_SEED_START > 100 * count + 10_000:
+            raise ValueError(f"size {size}: fewer than {count} maze layouts exist outside the fixed eval set")
+    return MazeSet(f"maze_2d/local{size}-heldout", size, tuple(seeds))
+
+
+def local_eval_sets(size: int = 7) -> list[MazeSet]:
+    """The fixed local eval set and the held-out set: the layouts local training (SFT and GRPO) never sees."""
+    return [local_eval_set(size), heldout_set(size)]
 
 
 def layout_digest(mazes: Iterable[Maze | dict]) -> str:
@@ -69,7 +89,7 @@ def layout_digest(mazes: Iterable[Maze | dict]) -> str:
     return digest.hexdigest()
 
 
-def _layout_key(maze: Maze) -> tuple:
+def layout_key(maze: Maze) -> tuple:
     return (maze.size, maze.rows, maze.start, maze.goal)
 
 
@@ -79,13 +99,13 @@ def training_mazes(sizes: Iterable[int], count: int, exclude: Iterable[MazeSet] 
     sizes = list(sizes)
     if not sizes or count < 1:
         raise ValueError(f"need at least one maze size and count >= 1, got sizes={sizes} count={count}")
-    banned = {_layout_key(m) for maze_set in exclude for m in maze_set.mazes()}
+    banned = {layout_key(m) for maze_set in exclude for m in maze_set.mazes()}
     mazes: list[Maze] = []
     seed = TRAIN_SEED_START
     while len(mazes) < count:
         maze = generate_maze(seed, sizes[len(mazes) % len(sizes)])
         seed += 1
-        if _layout_key(maze) not in banned:
+        if layout_key(maze) not in banned:
             mazes.append(maze)
         if seed - TRAIN_SEED_START > 100 * count + 10_000:
             raise ValueError(f"sizes {sizes}: too few layouts left outside the eval sets for {count} mazes")

@@ -222,9 +222,13 @@ def sft_base_dir(config: Config) -> Path:
 
 
 def _sft_settings(config: Config) -> dict:
+    """What the cached SFT base depends on, eval layouts included: SFT never trains on them, so a base
+    built against other eval sets could have seen today's."""
     local = config.training.local
+    excluded = ds.local_eval_sets(local.eval_size)
     return {"steps": local.sft_steps, "learning_rate": local.sft_learning_rate, "seed": local.seed,
-            "maze_sizes": local.maze_sizes, "eval_size": local.eval_size}
+            "maze_sizes": local.maze_sizes, "eval_size": local.eval_size,
+            "excluded_layouts_sha256": ds.layout_digest(m for s in excluded for m in s.mazes())}
 
 
 def ensure_tiny_init(config: Config) -> Path:
@@ -288,7 +292,7 @@ def sft(init_dir: Path, out_dir: Path, config: Config) -> dict:
     processor = load_processor(init_dir)
     model = AutoModelForImageTextToText.from_pretrained(str(init_dir), dtype=torch.float32)
     mazes = ds.training_mazes(local.maze_sizes, max(64, local.sft_steps * 16 // 3),
-                              exclude=[ds.local_eval_set(local.eval_size), ds.heldout_set(local.eval_size)])
+                              exclude=ds.local_eval_sets(local.eval_size))
     work = Path(out_dir).with_name(Path(out_dir).name + ".sft-work")
     args = TrainingArguments(
         output_dir=str(work), max_steps=max(1, local.sft_steps), per_device_train_batch_size=16,
@@ -340,7 +344,7 @@ def _grpo_dataset(config: Config):
 
     local = config.training.local
     mazes = ds.training_mazes([local.eval_size], 2048,
-                              exclude=[ds.local_eval_set(local.eval_size), ds.heldout_set(local.eval_size)])
+                              exclude=ds.local_eval_sets(local.eval_size))
     rows = [{"prompt": [{"role": "user", "content": ds.LOCAL_PROMPT}], "image": maze_image(m),
              "layout": json.dumps(m.layout(), sort_keys=True)} for m in mazes]
     return Dataset.from_list(rows)
