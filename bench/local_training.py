@@ -1,8 +1,8 @@
 """Does the local CPU trainer learn? Solve rate before vs after a fixed GRPO budget, with 95% intervals.
 
 Baseline = the SFT base (what GRPO starts from), measured in the same run on the same mazes: the fixed local
-eval set (`maze_2d/local7`, 64 mazes) and 256 further held-out mazes (`maze_2d/local7-heldout`, seeds
-1000-1255, never trained on). "After" is the last checkpoint of the budget (not the best one on the eval
+eval set (`maze_2d/local7`, 64 mazes) and 256 further held-out mazes (`maze_2d/local7-heldout`: distinct
+layouts, none in the fixed set, never trained on). "After" is the last checkpoint of the budget (not the best one on the eval
 set, which would be a selected, optimistic number). Each model is scored twice: greedy (the goal's metric,
 Wilson intervals) and pass@1 of `training.local.eval_samples` answers per maze sampled at the training
 temperature, which is what GRPO optimises (intervals over per-maze rates). Also prints seconds per GRPO step

@@ -1,7 +1,7 @@
 """The maze datasets: SkyRL prompt rows for the production job and the local trainer's sets.
 
 Seed plan (one place; training seeds never overlap evaluation seeds):
-- eval sets use seeds 0..63, held-out checks seeds 1000..1000+n, training seeds start at 100000;
+- eval sets use seeds 0..63, held-out checks the first n seeds from 1000 with new layouts, training seeds start at 100000;
 - small mazes have few distinct layouts (a 7x7 has 768), so the local training set also drops every
   maze whose layout (grid, start, goal) appears in a local eval or held-out set.
 
