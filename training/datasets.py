@@ -60,18 +60,8 @@ def heldout_set(size: int = 7, count: int = 256) -> MazeSet:
     """`count` further eval mazes: the first seeds from HELDOUT_SEED_START whose layouts are new and not in
     the fixed local eval set. Consecutive seeds would repeat layouts: a 7x7 maze has a 3x3 grid of cells,
     so there are only a few hundred of them (256 seeds held 214 layouts, 17 of them fixed-eval ones)."""
-    taken = {layout_key(m) for m in local_eval_set(size).mazes()}
-    seeds: list[int] = []
-    seed = HELDOUT_SEED_START
-    while len(seeds) < count:
-        key = layout_key(generate_maze(seed, size))
-        if key not in taken:
-            taken.add(key)
-            seeds.append(seed)
-        seed += 1
-        if seed - HELDOUT_SEED_START > 100 * count + 10_000:
-            raise ValueError(f"size {size}: fewer than {count} maze layouts exist outside the fixed eval set")
-    return MazeSet(f"maze_2d/local{size}-heldout", size, tuple(seeds))
+    mazes = _scan_mazes(HELDOUT_SEED_START, [size], count, exclude=[local_eval_set(size)], distinct=True)
+    return MazeSet(f"maze_2d/local{size}-heldout", size, tuple(m.seed for m in mazes))
 
 
 def local_eval_sets(size: int = 7) -> list[MazeSet]:
@@ -96,18 +86,27 @@ def layout_key(maze: Maze) -> tuple:
 def training_mazes(sizes: Iterable[int], count: int, exclude: Iterable[MazeSet] = ()) -> list[Maze]:
     """`count` training mazes cycling through `sizes`, seeds from TRAIN_SEED_START, skipping layouts of
     the `exclude` sets."""
+    return _scan_mazes(TRAIN_SEED_START, sizes, count, exclude)
+
+
+def _scan_mazes(first_seed: int, sizes: Iterable[int], count: int, exclude: Iterable[MazeSet] = (),
+                distinct: bool = False) -> list[Maze]:
+    """`count` mazes from consecutive seeds, cycling through `sizes`, skipping layouts of the `exclude` sets
+    (and, if `distinct`, layouts already taken)."""
     sizes = list(sizes)
     if not sizes or count < 1:
         raise ValueError(f"need at least one maze size and count >= 1, got sizes={sizes} count={count}")
     banned = {layout_key(m) for maze_set in exclude for m in maze_set.mazes()}
     mazes: list[Maze] = []
-    seed = TRAIN_SEED_START
+    seed = first_seed
     while len(mazes) < count:
         maze = generate_maze(seed, sizes[len(mazes) % len(sizes)])
         seed += 1
         if layout_key(maze) not in banned:
             mazes.append(maze)
-        if seed - TRAIN_SEED_START > 100 * count + 10_000:
+            if distinct:
+                banned.add(layout_key(maze))
+        if seed - first_seed > 100 * count + 10_000:
             raise ValueError(f"sizes {sizes}: too few layouts left outside the eval sets for {count} mazes")
     return mazes
 
