@@ -323,18 +323,31 @@ class TrainResult:
     seconds_per_step: float
     eval_data_source: str
     curve: list[tuple[int, float]] = field(default_factory=list)  # (step, fixed-eval greedy solve rate)
-    before: float | None = None
-    after: float | None = None
     sampled_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, pass@1 at the training temperature)
-    sampled_before: float | None = None
-    sampled_after: float | None = None
     registered_version: str | None = None
     adapter_dir: Path | None = None  # the last checkpoint's adapter folder
+
+    # The fixed-eval score before training (step 0) and of the last checkpoint, for each decoding.
+    @property
+    def before(self) -> float | None:
+        return self.curve[0][1] if self.curve else None
+
+    @property
+    def after(self) -> float | None:
+        return self.curve[-1][1] if self.curve else None
+
+    @property
+    def sampled_before(self) -> float | None:
+        return self.sampled_curve[0][1] if self.sampled_curve else None
+
+    @property
+    def sampled_after(self) -> float | None:
+        return self.sampled_curve[-1][1] if self.sampled_curve else None
 
     def to_dict(self) -> dict:
         data = asdict(self)
         data["adapter_dir"] = str(self.adapter_dir) if self.adapter_dir else None
-        return data
+        return data | {k: getattr(self, k) for k in ("before", "after", "sampled_before", "sampled_after")}
 
 
 def _grpo_dataset(config: Config):
@@ -478,10 +491,6 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
         result.seconds_per_step = round(result.seconds / max(1, result.steps), 3)
         version = session.register_best(result.eval_data_source)
         result.registered_version = version.version if version is not None else None
-    if result.curve:
-        result.before, result.after = result.curve[0][1], result.curve[-1][1]
-    if result.sampled_curve:
-        result.sampled_before, result.sampled_after = result.sampled_curve[0][1], result.sampled_curve[-1][1]
     last = run_dir / f"checkpoint-{result.steps}"
     result.adapter_dir = last if last.is_dir() else None
     return result
