@@ -77,6 +77,15 @@ def test_sampled_eval_is_reproducible_and_leaves_the_training_rng_alone(tmp_path
     assert greedy_only.sampled_rate is None and greedy_only.rows == first.rows
 
 
+def test_eval_samples_out_of_range_is_a_config_error(tmp_path, monkeypatch):
+    from rlops.config import ConfigError, load_config
+
+    monkeypatch.chdir(tmp_path)
+    for value, expected in (("-1", "greater than or equal to 0"), ("65", "less than or equal to 64")):
+        with pytest.raises(ConfigError, match=f"RLOPS_TRAINING__LOCAL__EVAL_SAMPLES: training.local.eval_samples: .*{expected}"):
+            load_config(None, environ={"RLOPS_TRAINING__LOCAL__EVAL_SAMPLES": value})
+
+
 def test_too_large_base_is_refused_before_loading():
     assert estimate_parameters("Qwen/Qwen3-VL-8B-Instruct") == 8_000_000_000
     assert estimate_parameters("some/model") is None
