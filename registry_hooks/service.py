@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from registry_hooks import registry, storage
-from registry_hooks.operations import RECONCILER_STATUS, retire_unlisted
+from registry_hooks.operations import RECONCILER_STATUS
 from registry_hooks.sync import Promoter, SyncReport, sync_model
 from registry_hooks.webhook import (
     ALIAS_EVENTS,
@@ -30,11 +30,17 @@ from registry_hooks.webhook import (
     authenticate,
     parse_delivery,
 )
-from rlops.config import Config
+from rlops.config import Config, mask_text
 from rlops.layout import utc_now
 from tracker import sweep_stale_runs
 
 WEBHOOK_PATH = "/webhook"
+ERROR_TEXT_LIMIT = 300
+
+
+def describe_error(context: str, exc: BaseException, config: Config) -> str:
+    """What /healthz and the heartbeat show of a failure: masked (secrets, URI passwords) and bounded."""
+    return mask_text(f"{context}: {type(exc).__name__}: {exc}", [config.hooks.secret])[:ERROR_TEXT_LIMIT]
 
 
 class HooksError(RuntimeError):
@@ -91,16 +97,13 @@ class Reconciler:
             self._wake.notify()
 
     def _loop(self) -> None:
+        # Never retires anything: a model missing from this config may be another deployment's (`promote retire`).
         while not self._stop.is_set():
-            try:
-                retire_unlisted(self.config)
-            except Exception as exc:  # noqa: BLE001 - reported like a failed sync; the loop goes on
-                self.last_error = f"retiring unlisted models: {type(exc).__name__}: {exc}"[:500]
             try:
                 # A Ray task can die without handlers: settle runs whose tracker heartbeat stopped.
                 sweep_stale_runs(self.config)
             except Exception as exc:  # noqa: BLE001 - same: reported, never fatal to the loop
-                self.last_error = f"sweeping stale runs: {type(exc).__name__}: {exc}"[:500]
+                self.last_error = describe_error("sweeping stale runs", exc, self.config)
             for model in self.config.registry.models:
                 self.request(model, "reconciler")
             self._stop.wait(self.config.hooks.reconcile_interval_s)
@@ -124,7 +127,7 @@ class Reconciler:
             self.last_ok_at, self.last_error = utc_now(), None
         except Exception as exc:  # noqa: BLE001 - an outage must not kill the loop; it is reported instead
             self.metrics.syncs.labels(trigger, "error").inc()
-            self.last_error = f"{model}: {type(exc).__name__}: {exc}"[:500]
+            self.last_error = describe_error(model, exc, self.config)
         self.runs += 1
         self.last_run_at = utc_now()
         self.metrics.sync_seconds.observe(time.monotonic() - started)
@@ -142,7 +145,7 @@ class Reconciler:
             promoter = Promoter(self.config)
             storage.write_status(promoter.dest, promoter.location, RECONCILER_STATUS, self.health())
         except Exception as exc:  # noqa: BLE001 - best effort; /healthz still has it
-            self.last_error = f"heartbeat: {type(exc).__name__}: {exc}"[:500]
+            self.last_error = describe_error("heartbeat", exc, self.config)
 
 
 def create_app(config: Config, reconciler: Reconciler, metrics: Metrics, clock: Callable[[], float] = time.time) -> Starlette:
@@ -155,10 +158,8 @@ def create_app(config: Config, reconciler: Reconciler, metrics: Metrics, clock: 
     async def webhook(request: Request) -> Response:
         if not config.hooks.webhook_enabled:
             return JSONResponse({"error": "webhook receiver disabled"}, status_code=404)
-        body = await request.body()
         try:
-            if len(body) > MAX_BODY_BYTES:
-                raise Rejected(413, "payload too large")
+            body = await read_bounded(request, MAX_BODY_BYTES)
             delivery_id = authenticate(request.headers, body, config.hooks.secret or "", clock(),
                                        config.hooks.timestamp_tolerance_s)
             delivery = parse_delivery(delivery_id, body)
@@ -185,6 +186,22 @@ def create_app(config: Config, reconciler: Reconciler, metrics: Metrics, clock: 
 
     return Starlette(routes=[Route(WEBHOOK_PATH, webhook, methods=["POST"]), Route("/healthz", healthz),
                              Route("/metrics", prometheus)])
+
+
+async def read_bounded(request: Request, limit: int) -> bytes:
+    """The body, refused (413) from its Content-Length before reading, or as soon as the stream passes `limit`."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not (declared.isascii() and declared.isdigit()):
+            raise Rejected(400, "malformed Content-Length")
+        if int(declared) > limit:
+            raise Rejected(413, "payload too large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise Rejected(413, "payload too large")
+    return bytes(body)
 
 
 def serve(config: Config) -> None:

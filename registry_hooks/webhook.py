@@ -47,7 +47,8 @@ def authenticate(headers: Mapping[str, str], body: bytes, secret: str, now: floa
     signature = headers.get(SIGNATURE_HEADER, "")
     if not (delivery_id and timestamp and signature):
         raise Rejected(401, "missing signature headers")
-    if not hmac.compare_digest(sign(secret, delivery_id, timestamp, body), signature):
+    # Bytes on both sides: compare_digest raises TypeError on a str with non-ASCII characters.
+    if not hmac.compare_digest(sign(secret, delivery_id, timestamp, body).encode(), signature.encode("utf-8", "replace")):
         raise Rejected(401, "bad signature")
     try:
         sent = int(timestamp)

@@ -14,7 +14,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Iterable, Literal, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
@@ -388,6 +388,18 @@ def mask_value(key: str, value: Any) -> Any:
             return MASK
         return mask_uri(value) if "://" in value else value
     return value
+
+
+_URI_USERINFO = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*):[^@/\s]*@")
+
+
+def mask_text(text: str, secrets: Iterable[str | None] = ()) -> str:
+    """Free text (an exception message) with the given secret values, URI passwords and credential-looking
+    tokens masked: for anything shown to whoever can reach a health endpoint or read a log."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, MASK)
+    return _SECRET_VALUE.sub(MASK, _URI_USERINFO.sub(lambda m: f"{m['head']}:{MASK}@", text))
 
 
 def masked_dict(config: Config) -> dict[str, Any]:

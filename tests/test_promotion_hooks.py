@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from registry_hooks import operations
 from registry_hooks.service import Metrics, Reconciler, create_app, webhook_name
-from registry_hooks.webhook import sign
+from registry_hooks.webhook import MAX_BODY_BYTES, sign
 from rlops import processes
 from rlops.cli import main as rlops_cli
 from rlops.processes import free_port
@@ -137,6 +137,14 @@ def test_forged_stale_replayed_and_duplicate_deliveries(stack, test_config, mlfl
     assert post(ts=int(time.time()) - 3600).status_code == 401
     assert post(ts=int(time.time()) + 3600).status_code == 401
     assert post(headers={}).status_code == 401
+    # A non-ASCII signature is a 401 like any other bad one (it was a 500).
+    assert post(headers={"X-MLflow-Delivery-Id": "d-9", "X-MLflow-Timestamp": str(int(time.time())),
+                         "X-MLflow-Signature": "v1,\u00e9\u00e8==".encode("latin-1")}).status_code == 401
+    # Over the cap: refused from Content-Length, and while streaming when no length is declared.
+    big = b" " * (MAX_BODY_BYTES + 1)
+    assert post(delivery="d-big", payload=big).status_code == 413
+    streamed = httpx.post(f"{url}/webhook", content=iter([big[:1024], big[1024:]]), timeout=5)
+    assert "content-length" not in streamed.request.headers and streamed.status_code == 413
     tampered = post(delivery="d-2")
     assert tampered.status_code == 202
     good_headers = dict(tampered.request.headers)
@@ -150,7 +158,8 @@ def test_forged_stale_replayed_and_duplicate_deliveries(stack, test_config, mlfl
     assert wait_for(lambda: sample(metrics, "rlops_hooks_syncs_total", trigger="webhook", outcome="ok") == 1, 10)
     time.sleep(1)
     assert sample(metrics, "rlops_hooks_syncs_total", trigger="webhook", outcome="ok") == 1  # duplicates: once
-    assert sample(metrics, "rlops_hooks_deliveries_total", result="rejected") == 5
+    assert sample(metrics, "rlops_hooks_deliveries_total", result="rejected") == 6
+    assert sample(metrics, "rlops_hooks_deliveries_total", result="bad_request") == 2
     assert len(read_manifest(stack, cfg).history) == 1
 
 

@@ -96,7 +96,8 @@ def test_webhook_authentication_window_and_dedup():
     assert authenticate(headers, body, "s", now=1100, tolerance_s=300) == "d1"
     for hdrs, now, secret, reason in [({**headers, "x-mlflow-signature": "v1,AAAA"}, 1100, "s", "bad signature"),
                                       (headers, 1400.5, "s", "outside"), (headers, 1100, "other", "bad signature"),
-                                      ({}, 1100, "s", "missing")]:
+                                      ({}, 1100, "s", "missing"),
+                                      ({**headers, "x-mlflow-signature": "v1,\u00e9\u00e8=="}, 1100, "s", "bad signature")]:
         with pytest.raises(Rejected, match=reason) as err:
             authenticate(hdrs, body, secret, now=now, tolerance_s=300)
         assert err.value.status == 401
@@ -107,3 +108,20 @@ def test_webhook_authentication_window_and_dedup():
     seen = SeenDeliveries(window_s=10)
     assert seen.first_time("d1", now=0) and not seen.first_time("d1", now=5)
     assert seen.first_time("d1", now=100)  # forgotten after the window (stale deliveries are rejected anyway)
+
+
+def test_reconciler_errors_are_masked_and_bounded_for_healthz():
+    from registry_hooks.service import ERROR_TEXT_LIMIT, Metrics, Reconciler
+    from rlops.config import Config
+
+    config = Config.model_validate({"hooks": {"secret": "whsec-topsecret"}, "registry": {"models": ["m"]}})
+
+    def failing_sync(*args, **kwargs):
+        raise RuntimeError("cannot reach postgresql://mlflow:db-pass@db:5432/mlflow (signed with whsec-topsecret) "
+                           + "x" * 2000)
+
+    reconciler = Reconciler(config, Metrics(), sync=failing_sync)
+    reconciler._run("m", "webhook")
+    error = reconciler.health()["last_error"]
+    assert error.startswith("m: RuntimeError: cannot reach postgresql://mlflow:****@db:5432/mlflow")
+    assert "db-pass" not in error and "whsec-topsecret" not in error and len(error) <= ERROR_TEXT_LIMIT
