@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Callable
 
 from botocore.exceptions import ClientError
+from pydantic import ValidationError
 from boto3.s3.transfer import TransferConfig
 
 from rlops.layout import ADAPTER_CONFIG, RoutesManifest, S3Location, model_from_routes_key, routes_key, routes_prefix
@@ -18,6 +19,10 @@ SINGLE_COPY_LIMIT = 5 * 1024**3  # CopyObject's limit; larger objects are copied
 SERVER_SIDE_COPY = TransferConfig(multipart_threshold=SINGLE_COPY_LIMIT, multipart_chunksize=512 * 1024**2)
 STREAMING = TransferConfig(multipart_threshold=CHUNK, multipart_chunksize=CHUNK, max_concurrency=4)
 STATUS_DIR = "_status"
+
+
+class InvalidManifest(ValueError):
+    """A published manifest that fails the schema or the name/folder grammar: read by nobody, rewritten by nobody."""
 
 
 class ManifestConflict(RuntimeError):
@@ -133,7 +138,11 @@ def read_manifest(client, location: S3Location, model: str) -> tuple[RoutesManif
         if is_missing(exc):
             return RoutesManifest(model=model), None
         raise
-    return RoutesManifest.model_validate_json(obj["Body"].read()), obj["ETag"]
+    try:
+        return RoutesManifest.model_validate_json(obj["Body"].read()), obj["ETag"]
+    except ValidationError as exc:
+        raise InvalidManifest(f"the routes manifest of {model!r} is invalid ({exc.error_count()} errors, first: "
+                              f"{exc.errors()[0]['msg'][:200]}); syncs of it stop until it is fixed or removed") from None
 
 
 def write_manifest(client, location: S3Location, manifest: RoutesManifest, etag: str | None) -> str:

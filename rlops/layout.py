@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 ALIAS_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 VERSION_ALIAS_RE = re.compile(r"^v(\d+)$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 MAX_NAME_LENGTH = 256
 
 ROUTES_DIR = "_routes"
@@ -173,6 +174,13 @@ class Refusal(_Strict):
     at: str
 
 
+class Collected(_Strict):
+    """A version whose folder gc deleted (or is deleting since `at`): `@v<N>` answers 404, not a load error."""
+
+    version: int = Field(ge=1)
+    at: str
+
+
 class RoutesManifest(_Strict):
     schema_version: Literal[1] = SCHEMA_VERSION
     model: str
@@ -181,10 +189,33 @@ class RoutesManifest(_Strict):
     aliases: dict[str, AliasRoute] = Field(default_factory=dict)
     history: list[HistoryEntry] = Field(default_factory=list)
     refused: dict[str, Refusal] = Field(default_factory=dict)
+    collected: list[Collected] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _grammar(self) -> "RoutesManifest":
+        """Whatever wrote the file, it may only name this model's own version folders and adapter files:
+        a folder is derived from (model, version), so no value can point serving anywhere else."""
+        if not is_valid_name(self.model):
+            raise ValueError(f"model {self.model!r} is not a valid registered model name")
+        for alias in [*self.aliases, *self.refused, *(h.alias for h in self.history)]:
+            if not ALIAS_RE.match(alias):
+                raise ValueError(f"alias {alias!r} is not a valid alias")
+        for alias, route in self.aliases.items():
+            if route.folder != version_folder(self.model, route.version):
+                raise ValueError(f"alias {alias!r}: folder is not {self.model}'s folder of v{route.version}")
+            if not route.files or not all(is_allowed_adapter_file(n) and SHA256_RE.match(d) for n, d in route.files.items()):
+                raise ValueError(f"alias {alias!r}: files must be .safetensors/.json names with sha256 hex digests")
+            if any(c.version == route.version for c in self.collected):
+                raise ValueError(f"alias {alias!r}: v{route.version} is marked garbage-collected")
+        return self
+
+    def collected_versions(self) -> set[int]:
+        return {c.version for c in self.collected}
 
     def published_versions(self) -> set[int]:
-        """Versions a client may address as `@v<N>`: current targets and recorded history."""
-        return {r.version for r in self.aliases.values()} | {h.version for h in self.history}
+        """Versions a client may address as `@v<N>`: current targets and recorded history, less collected ones."""
+        history = {h.version for h in self.history} - self.collected_versions()
+        return {r.version for r in self.aliases.values()} | history
 
 
 # ---------------------------------------------------------------------------------------------- resolution
@@ -215,6 +246,8 @@ def resolve_model_name(
     if manifest is None:
         raise ModelNotFound(f"The model {ref.raw!r} does not exist.")
     if ref.version is not None:
+        if ref.version in manifest.collected_versions():
+            raise ModelNotFound(f"The model {ref.raw!r} is not available: version {ref.version} was garbage-collected.")
         if ref.version not in manifest.published_versions():
             raise ModelNotFound(f"The model {ref.raw!r} does not exist: version {ref.version} was never promoted.")
         return Resolution(ref=ref, folder=version_folder(ref.model, ref.version), version=ref.version, alias=None)

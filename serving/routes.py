@@ -102,8 +102,10 @@ def plan_refresh(known_etags: Mapping[str, str], listing: Mapping[str, str]) -> 
 class RoutesCache:
     """Keeps a `RoutesTable` fresh from `<prefix>/_routes/*.json` (ETag listing, changed files only).
 
-    A manifest that cannot be read or validated keeps its last good version (serving goes on with what
-    was published); an S3 outage keeps the whole last table. Failures are logged, never raised to clients.
+    A manifest that cannot be read keeps its last good version and is retried; one that fails the schema or
+    the name/folder grammar keeps its last good version too, is logged and listed in `refused` (key ->
+    reason), and is not fetched again until its ETag changes. An S3 outage keeps the whole last table.
+    Failures are logged, never raised to clients.
     """
 
     def __init__(self, s3_client, location: S3Location, *, base_model_id: str, served_aliases: Iterable[str],
@@ -118,6 +120,7 @@ class RoutesCache:
         self._thread: threading.Thread | None = None
         self.table = RoutesTable(base_model_id, tuple(served_aliases), default_alias)
         self.last_error: str | None = None
+        self.refused: dict[str, str] = {}
 
     def refresh(self) -> bool:
         """One listing pass; True if the table changed. Called from one thread at a time."""
@@ -130,6 +133,7 @@ class RoutesCache:
         changed = bool(removed)
         for key in removed:
             del self._etags[key]
+            self.refused.pop(key, None)
             model = model_from_routes_key(self._location, key)
             if model is not None:
                 self._manifests.pop(model, None)
@@ -150,11 +154,12 @@ class RoutesCache:
             self._etags[key] = etag  # also remembers names we skip, so they are not re-fetched
             if manifest is not None:
                 self._manifests[model] = manifest
+                self.refused.pop(key, None)
                 changed = True
         if changed:
             table = self.table
             self.table = RoutesTable(table.base_model_id, table.served_aliases, table.default_alias, dict(self._manifests))
-        if not failed:
+        if not failed and not self.refused:
             self.last_error = None
         return changed
 
@@ -186,12 +191,16 @@ class RoutesCache:
         try:
             manifest = RoutesManifest.model_validate_json(body)
         except ValidationError as exc:
-            self._note_error(f"manifest {key} is invalid ({exc.error_count()} errors); keeping the last good one")
-            return None, ""
+            first = exc.errors()[0]["msg"][:200]
+            return self._refuse(key, obj, f"invalid ({exc.error_count()} errors, first: {first}); keeping the last good one")
         if manifest.model != model:
-            self._note_error(f"manifest {key} names model {manifest.model!r}; ignored")
-            return None, obj.get("ETag", "") or "-"
+            return self._refuse(key, obj, f"names model {manifest.model!r}; ignored")
         return manifest, obj.get("ETag", "")
+
+    def _refuse(self, key: str, obj: dict, reason: str) -> tuple[None, str]:
+        self.refused[key] = reason
+        self._note_error(f"manifest {key} {reason}")
+        return None, obj.get("ETag", "") or "-"
 
     def _note_error(self, message: str) -> None:
         if message != self.last_error:

@@ -3,6 +3,7 @@ rewriting, app args) and the routes cache against the session's real S3 (ETag li
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -70,6 +71,38 @@ def test_unset_served_alias_is_404_alias_not_set():
     only_prod = RoutesTable(BASE, ("production", "staging"), "production", {"m": manifest("m", production=1)})
     with pytest.raises(ModelNotFound, match="alias 'staging' not set"):
         only_prod.resolve(f"{BASE}:m@staging")
+
+
+def test_collected_version_is_404_garbage_collected():
+    collected = RoutesManifest.model_validate({**manifest("m", production=2).model_dump(),
+                                               "collected": [{"version": 1, "at": "t"}]})
+    table = RoutesTable(BASE, ("production",), "production", {"m": collected})
+    with pytest.raises(ModelNotFound, match="version 1 was garbage-collected"):
+        table.resolve(f"{BASE}:m@v1")
+    assert table.resolve(f"{BASE}:m@v2").folder == "m-v2"
+
+
+def _route(**changes) -> dict:
+    return {"version": 2, "folder": "m-v2", "files": {"adapter_config.json": "a" * 64}, "promoted_at": "t",
+            "trigger": "x", **changes}
+
+
+@pytest.mark.parametrize("data, needle", [
+    ({"aliases": {"production": _route(folder="../../etc")}}, "folder is not m's folder of v2"),
+    ({"aliases": {"production": _route(folder="other-v2")}}, "folder is not m's folder of v2"),
+    ({"aliases": {"production": _route(folder="m-v3")}}, "folder is not m's folder of v2"),
+    ({"aliases": {"production": _route(files={"../x.json": "a" * 64})}}, "files must be"),
+    ({"aliases": {"production": _route(files={"model.bin": "a" * 64})}}, "files must be"),
+    ({"aliases": {"production": _route(files={"adapter_config.json": "nothex"})}}, "files must be"),
+    ({"aliases": {"prod/uction": _route()}}, "not a valid alias"),
+    ({"model": "../m", "aliases": {}}, "not a valid registered model name"),
+    ({"aliases": {"production": _route()}, "collected": [{"version": 2, "at": "t"}]}, "marked garbage-collected"),
+])
+def test_manifest_grammar_is_checked_on_every_read(data, needle):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=re.escape(needle)):
+        RoutesManifest.model_validate_json(json.dumps({"schema_version": 1, "model": "m", **data}))
 
 
 def test_models_list_has_base_and_served_aliases_without_folders(table: RoutesTable):
@@ -236,6 +269,14 @@ def test_routes_cache_follows_s3_with_etags(stack, unique_name):
     with pytest.raises(ModelNotFound):
         cache.table.resolve(f"{BASE}:b")
     assert cache.last_error and "broken" in cache.last_error
+    # A manifest pointing outside its own folders is refused, the last good one kept, and not re-fetched.
+    escaping = json.loads(manifest("a", generation=9, production=5).model_dump_json())
+    escaping["aliases"]["production"]["folder"] = "../../outside"
+    s3.put_object(Bucket=location.bucket, Key=routes_key(location, "a"), Body=json.dumps(escaping).encode())
+    reads = calls["get"]
+    assert cache.refresh() is False and cache.table.resolve(f"{BASE}:a").version == 3
+    assert routes_key(location, "a") in cache.refused and "folder" in cache.refused[routes_key(location, "a")]
+    assert cache.refresh() is False and calls["get"] == reads + 1
 
     cache.start()  # background refresh within the staleness bound
     try:
