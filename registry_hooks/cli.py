@@ -120,7 +120,7 @@ def main(ctx: click.Context, config_path: str | None) -> None:
 @click.option("--to", "to_alias", required=True, help="Served alias to move (e.g. production).")
 @click.option("--version", type=click.IntRange(min=1), help="Registered version to promote.")
 @click.option("--from", "from_alias", help="Promote the version this alias points at (e.g. staging).")
-@click.option("--force", is_flag=True, help="Skip the eval-metric guardrail of guarded aliases.")
+@click.option("--force", is_flag=True, help="Pass the eval-metric guardrail: tags the version rlops.force (who, when).")
 @dry_run_option
 @json_option
 @click.pass_context

@@ -10,7 +10,7 @@ from registry_hooks.adapter import InvalidAdapter
 from registry_hooks.plan import drift, parse_time, referenced_folders, rollback_target
 from registry_hooks.sync import NotFound, Promoter, PromotionError, Refused, SyncReport
 from rlops.config import Config
-from rlops.layout import is_valid_alias, version_folder
+from rlops.layout import is_valid_alias, utc_now, version_folder
 
 RECONCILER_STATUS = "reconciler"
 
@@ -34,27 +34,16 @@ def _lookup(fn, *args):
         raise NotFound(str(exc)) from None
 
 
-def check_guardrail(candidate: registry.VersionSource, current: registry.VersionSource | None) -> None:
-    """A guarded alias never gets a version whose eval metric is worse than (or not comparable to) its current one."""
-    if current is None or current.version == candidate.version or current.metric_value is None:
-        return
-    if candidate.metric_value is None or candidate.metric_key != current.metric_key:
-        raise Refused(
-            f"v{candidate.version} has no eval metric comparable to v{current.version}'s "
-            f"{current.metric_key}={current.metric_value:g}; use --force to promote anyway")
-    if candidate.metric_value < current.metric_value:
-        raise Refused(
-            f"v{candidate.version} scores {candidate.metric_key}={candidate.metric_value:g}, worse than the current "
-            f"v{current.version} ({current.metric_value:g}); use --force to promote anyway")
-
-
 def promote(
     config: Config, model: str, *, to_alias: str, version: int | None = None, from_alias: str | None = None,
     force: bool = False, trigger: str = "cli", actor: str | None = None, dry_run: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> SyncReport:
     """Copy and verify the version's folder, then move `to_alias` to it, then sync (the alias moves only
-    after the copy succeeded). Raises NotFound, Refused (invalid adapter, guardrail) or UsageProblem."""
+    after the copy succeeded). Raises NotFound, Refused (invalid adapter, guardrail) or UsageProblem.
+
+    The sync applies the guardrail for every trigger; it is checked here first only so that a refused
+    promote leaves the registry alias where it was. `force` tags the version rlops.force (who, when)."""
     promoter = Promoter(config, progress=progress)
     promoter.check_model(model)
     _served_alias(config, to_alias)
@@ -64,16 +53,27 @@ def promote(
     if from_alias is not None:
         version = _lookup(registry.version_by_alias, promoter.mlflow, model, from_alias)
     assert version is not None
-    candidate = _lookup(registry.version_source, promoter.mlflow, model, version)
-    if to_alias in config.registry.guarded_aliases and not force:
-        intent = registry.read_intent(promoter.mlflow, model, config.registry.served_aliases) or {}
-        current = intent.get(to_alias)
-        check_guardrail(candidate, _lookup(registry.version_source, promoter.mlflow, model, current) if current else None)
+    _lookup(registry.version_source, promoter.mlflow, model, version)
+    if to_alias in config.registry.guarded_aliases:
+        manifest, _ = storage.read_manifest(promoter.dest, promoter.location, model)
+        served = manifest.aliases.get(to_alias)
+        if force and not dry_run:
+            registry.set_tags(promoter.mlflow, model, version,
+                              {registry.FORCE_TAG: f"{actor or 'unknown'} at {utc_now()}: promote --force --to {to_alias}"})
+        elif not force:
+            reason = promoter.guard_refusal(model, version, served.version if served else None)
+            if reason:
+                raise Refused(f"{reason}; use --force to promote anyway (it tags the version {registry.FORCE_TAG})")
     return _move_alias(promoter, model, to_alias, version, trigger=trigger, actor=actor, dry_run=dry_run)
 
 
 def _move_alias(promoter: Promoter, model: str, alias: str, version: int, *, trigger: str, actor: str | None,
                 dry_run: bool) -> SyncReport:
+    manifest, _ = storage.read_manifest(promoter.dest, promoter.location, model)
+    promoter.check_owner(manifest)
+    collecting = promoter.collecting_reason(manifest, version)
+    if collecting:
+        raise Refused(collecting)
     try:
         if dry_run:
             promoter.inspect(model, version)
@@ -84,7 +84,6 @@ def _move_alias(promoter: Promoter, model: str, alias: str, version: int, *, tri
             registry.set_tags(promoter.mlflow, model, version, {registry.REFUSED_TAG: str(exc)})
         raise Refused(f"v{version} of {model!r} cannot be served: {exc}") from None
     if dry_run:
-        manifest, _ = storage.read_manifest(promoter.dest, promoter.location, model)
         return SyncReport(model=model, trigger=trigger, generation=manifest.generation,
                           served={a: r.version for a, r in manifest.aliases.items()}, promoted={alias: version},
                           copy_mode=promoter.last_mode, warnings=["dry run: nothing was copied or changed"])
@@ -106,6 +105,9 @@ def rollback(config: Config, model: str, *, alias: str | None = None, actor: str
     target = rollback_target(manifest, alias)
     if target is None:
         raise NotFound(f"{model}@{alias} has no earlier target in the served history to roll back to")
+    if alias in config.registry.guarded_aliases and not dry_run:
+        # Going back is deliberate even to a lower score: say so where the guardrail (and everyone) looks.
+        registry.set_tags(promoter.mlflow, model, target, {registry.FORCE_TAG: f"{actor or 'unknown'} at {utc_now()}: rollback of {alias}"})
     return _move_alias(promoter, model, alias, target, trigger="rollback", actor=actor, dry_run=dry_run)
 
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Protocol
 
-from rlops.layout import AliasRoute, HistoryEntry, Refusal, RoutesManifest, version_folder
+from rlops.layout import AliasRoute, HistoryEntry, Refusal, RefusalKind, RoutesManifest, version_folder
 
 Intent = Mapping[str, int]  # served alias -> registry version
 
@@ -19,13 +19,18 @@ def next_manifest(
     trigger: str,
     now: str,
     history_limit: int,
+    held: Mapping[str, tuple[RefusalKind, str]] | None = None,
+    owner: str | None = None,
 ) -> RoutesManifest:
     """The manifest that serves `intent`, or `old` itself when nothing changes (no generation bump).
 
-    `prepared`: verified routes by version; `refusals`: reason by version. An alias whose version is refused
-    keeps its previous target (if any) and records the refusal; an alias missing from `intent` is dropped
-    (its route answers "alias not set"; history keeps it).
+    `prepared`: verified routes by version; `refusals`: why a version cannot be served; `held`: alias ->
+    (kind, reason) for a move refused for that alias only (guardrail, folder being collected). A refused
+    alias keeps its previous target (if any) and records the refusal; an alias missing from `intent` is
+    dropped (its route answers "alias not set"; history keeps it). A version published again leaves
+    `collected`. `owner` (None: keep old's) is recorded.
     """
+    held = held or {}
     aliases: dict[str, AliasRoute] = {}
     refused: dict[str, Refusal] = {}
     history = list(old.history)
@@ -34,10 +39,11 @@ def next_manifest(
         if current is not None and current.version == version:
             aliases[alias] = current
             continue
-        if version in refusals:
+        kind, reason = held.get(alias) or ("adapter", refusals.get(version))
+        if reason is not None:
             earlier = old.refused.get(alias)
-            keep_time = earlier is not None and earlier.version == version
-            refused[alias] = earlier if keep_time else Refusal(version=version, reason=refusals[version], at=now)
+            keep_time = earlier is not None and (earlier.version, earlier.reason, earlier.kind) == (version, reason, kind)
+            refused[alias] = earlier if keep_time else Refusal(version=version, reason=reason, at=now, kind=kind)
             if current is not None:
                 aliases[alias] = current
             continue
@@ -46,12 +52,44 @@ def next_manifest(
             raise KeyError(f"no prepared route for {alias} -> v{version}")
         aliases[alias] = route.model_copy(update={"promoted_at": now, "trigger": trigger})
         history.append(HistoryEntry(alias=alias, version=version, at=now, trigger=trigger))
-    if aliases == old.aliases and refused == old.refused:
+    owner = owner or old.owner
+    if aliases == old.aliases and refused == old.refused and owner == old.owner:
         return old
+    served = {r.version for r in aliases.values()}
     return RoutesManifest(
-        model=old.model, generation=old.generation + 1, updated_at=now, aliases=aliases,
-        history=history[-history_limit:], refused=refused,
+        model=old.model, owner=owner, generation=old.generation + 1, updated_at=now, aliases=aliases,
+        history=history[-history_limit:], refused=refused, collected=[c for c in old.collected if c.version not in served],
     )
+
+
+class EvalFacts(Protocol):
+    """What the guardrail compares (registry.VersionSource has these)."""
+
+    version: int
+    metric_key: str | None
+    metric_value: float | None
+    eval_set: str | None
+
+
+def guardrail_refusal(candidate: EvalFacts, current: EvalFacts | None, *, direction: str, min_delta: float) -> str | None:
+    """Why a guarded alias must not move from `current` to `candidate`, or None. The candidate must have a
+    metric comparable to the current one (same key, same eval set when both record it) and beat it by at
+    least `min_delta` in `direction` (`higher`/`lower` is better; a negative min_delta tolerates a loss)."""
+    if current is None or current.version == candidate.version or current.metric_value is None:
+        return None
+    shown = f"{current.metric_key}={current.metric_value:g}"
+    if candidate.metric_value is None or candidate.metric_key != current.metric_key:
+        return f"v{candidate.version} has no eval metric comparable to v{current.version}'s {shown}"
+    if candidate.eval_set and current.eval_set and candidate.eval_set != current.eval_set:
+        return (f"v{candidate.version} and v{current.version} were scored on different eval sets "
+                f"({candidate.eval_set[:12]} vs {current.eval_set[:12]}): not comparable")
+    gain = candidate.metric_value - current.metric_value
+    if direction == "lower":
+        gain = -gain
+    if gain < min_delta:
+        return (f"v{candidate.version} scores {candidate.metric_key}={candidate.metric_value:g}, which does not beat "
+                f"the current v{current.version} ({current.metric_value:g}) by {min_delta:g} ({direction} is better)")
+    return None
 
 
 def newly_promoted(old: RoutesManifest, new: RoutesManifest) -> dict[str, AliasRoute]:

@@ -15,6 +15,8 @@ SHA256_TAG = "rlops.sha256."
 BASE_MODEL_TAG = "rlops.base_model"
 METRIC_KEY_TAG = "rlops.metric_key"
 METRIC_VALUE_TAG = "rlops.metric_value"
+EVAL_SET_TAG = "rlops.eval_set_sha256"  # optional: the guardrail refuses comparing scores of different eval sets
+FORCE_TAG = "rlops.force"  # "<who>: <why>" on a version: the guardrail lets it through (a registry-visible act)
 LEGACY_PRODUCTION_STAGE = "Production"
 LEGACY_PRODUCTION_ALIAS = "production"
 # Audit tags written on a version when it is published or refused.
@@ -41,6 +43,7 @@ class VersionSource:
     metric_key: str | None
     metric_value: float | None
     tags: dict[str, str] = field(default_factory=dict)
+    eval_set: str | None = None
 
 
 def mlflow_client(config: Config) -> MlflowClient:
@@ -122,7 +125,7 @@ def version_source(client: MlflowClient, model: str, version: int) -> VersionSou
     checksums = {k[len(SHA256_TAG):]: v.lower() for k, v in recorded.items() if k.startswith(SHA256_TAG)}
     metric_key, metric_value = _metric(version_tags)
     return VersionSource(model, int(mv.version), artifact_uri, checksums, recorded.get(BASE_MODEL_TAG),
-                         metric_key, metric_value, version_tags)
+                         metric_key, metric_value, version_tags, eval_set=version_tags.get(EVAL_SET_TAG))
 
 
 def artifact_s3_location(config: Config, artifact_uri: str) -> S3Location | None:

@@ -32,9 +32,18 @@ from registry_hooks.adapter import (
     parse_adapter_config,
     safetensors_header_length,
 )
-from registry_hooks.plan import newly_promoted, next_manifest
+from registry_hooks.plan import guardrail_refusal, newly_promoted, next_manifest, parse_time
 from rlops.config import Config, artifacts_s3_client_kwargs, s3_client_kwargs
-from rlops.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AliasRoute, S3Location, parse_s3_uri, utc_now, version_folder
+from rlops.layout import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    AliasRoute,
+    RoutesManifest,
+    S3Location,
+    parse_s3_uri,
+    utc_now,
+    version_folder,
+)
 
 MAX_ROUNDS = 8
 HEADER_PROBE_BYTES = 1024 * 1024
@@ -263,6 +272,40 @@ class Promoter:
             return False
         return not self.folder_complete(model, version)
 
+    # ------------------------------------------------------------------------------------ policy of a move
+
+    def check_owner(self, manifest: RoutesManifest) -> None:
+        """Only the deployment that owns a manifest writes it (one written before owners is adopted)."""
+        ours = self.config.registry_owner
+        if manifest.owner not in (None, ours):
+            raise Refused(f"the routes manifest of {manifest.model!r} belongs to deployment {manifest.owner!r}, not "
+                          f"this one ({ours!r}); set registry.owner to {manifest.owner!r} to take it over deliberately")
+
+    def guard_refusal(self, model: str, version: int, served: int | None) -> str | None:
+        """Why a guarded alias must not move from the served version to `version` (None: it may). A version
+        tagged rlops.force skips the check, so an override is visible in the registry, whoever made it."""
+        if served is None or served == version:
+            return None
+        candidate = registry.version_source(self.mlflow, model, version)
+        if registry.FORCE_TAG in candidate.tags:
+            return None
+        try:
+            current = registry.version_source(self.mlflow, model, served)
+        except (registry.RegistryNotFound, InvalidAdapter):
+            return None  # the served version is gone from the registry: nothing to compare against
+        policy = self.config.registry
+        return guardrail_refusal(candidate, current, direction=policy.guardrail_direction,
+                                 min_delta=policy.guardrail_min_delta)
+
+    def collecting_reason(self, manifest: RoutesManifest, version: int) -> str | None:
+        """A version gc marked collected within the lease may still be losing files: never copy into it yet."""
+        lease = self.config.registry.gc_lease_s
+        for entry in manifest.collected:
+            age = time.time() - parse_time(entry.at).timestamp()
+            if entry.version == version and age < lease:
+                return f"v{version} is being garbage-collected (since {entry.at}); it is copied again after {lease:g}s"
+        return None
+
     def folder_complete(self, model: str, version: int) -> bool:
         prefix = self.location.key(version_folder(model, version))
         return ADAPTER_CONFIG in storage.list_folder(self.dest, self.location.bucket, prefix)
@@ -279,15 +322,31 @@ class Promoter:
         for _ in range(MAX_ROUNDS):
             intent = registry.read_intent(self.mlflow, model, self.config.registry.served_aliases) or {}
             manifest, etag = storage.read_manifest(self.dest, self.location, model)
+            self.check_owner(manifest)
+            held: dict[str, tuple[str, str]] = {}  # alias -> (kind, reason): refused for that alias only
             for alias, version in intent.items():
                 current = manifest.aliases.get(alias)
-                if (current is not None and current.version == version) or version in prepared or version in refusals:
+                if (current is not None and current.version == version) or version in refusals:
                     continue
-                earlier = manifest.refused.get(alias)
-                if earlier is not None and earlier.version == version and not self.folder_complete(model, version):
-                    refusals[version] = earlier.reason  # sticky until the alias moves or a promote retries it
+                collecting = self.collecting_reason(manifest, version)
+                if collecting:
+                    held[alias] = ("collecting", collecting)
                     continue
                 try:
+                    # The same policy for every trigger: the eval guardrail runs here, not in the CLI only.
+                    guarded = alias in self.config.registry.guarded_aliases
+                    losing = guarded and self.guard_refusal(model, version, current.version if current else None)
+                    if losing:
+                        held[alias] = ("guardrail", f"{losing}; to override, tag v{version} "
+                                                    f"{registry.FORCE_TAG}='<who>: <why>' (promote --force does)")
+                        continue
+                    if version in prepared:
+                        continue
+                    earlier = manifest.refused.get(alias)
+                    if (earlier is not None and earlier.kind == "adapter" and earlier.version == version
+                            and not self.folder_complete(model, version)):
+                        refusals[version] = earlier.reason  # sticky until the alias moves or a promote retries it
+                        continue
                     prepared[version] = self.prepare(model, version)
                 except InvalidAdapter as exc:
                     refusals[version] = str(exc)
@@ -297,7 +356,8 @@ class Promoter:
             if latest != intent:
                 continue  # the registry moved while we copied: prepare the new targets
             new = next_manifest(manifest, intent, prepared, refusals, trigger=trigger, now=utc_now(),
-                                history_limit=self.config.registry.history_limit)
+                                history_limit=self.config.registry.history_limit, held=held,
+                                owner=self.config.registry_owner)
             if any(self._may_be_collected(model, r.version) for r in newly_promoted(manifest, new).values()):
                 prepared.clear()  # a folder vanished after we verified it (gc): copy again before naming it
                 continue
@@ -334,6 +394,10 @@ class Promoter:
                 })
             for version in new_refusals:
                 registry.set_tags(self.mlflow, model, version, {registry.REFUSED_TAG: refusals[version][:TAG_VALUE_LIMIT]})
+            for alias, refusal in new.refused.items():
+                if refusal.kind == "guardrail" and old.refused.get(alias) != refusal:
+                    registry.set_tags(self.mlflow, model, refusal.version,
+                                      {registry.REFUSED_TAG: f"{alias}: {refusal.reason}"[:TAG_VALUE_LIMIT]})
         except Exception as exc:  # noqa: BLE001 - audit must not undo a publish
             report.warnings.append(f"audit tags not written: {exc}")
 

@@ -10,6 +10,7 @@ Each package owns its section (contracts note): add keys there, with defaults; u
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -103,7 +104,11 @@ class RegistryConfig(_Section):
                                  "qkv", "proj", "linear_fc1", "linear_fc2"],
         description="leaf module names the served base (Qwen3-VL text + vision) can take LoRA weights on")
     guarded_aliases: list[str] = Field(
-        default_factory=lambda: ["production"], description="promote refuses a worse eval metric here without --force")
+        default_factory=lambda: ["production"], description="every sync (CLI, webhook, reconciler) refuses a move "
+        "here whose eval metric loses, unless the version carries the rlops.force tag (promote --force sets it)")
+    guardrail_direction: Literal["higher", "lower"] = Field("higher", description="which way the eval metric is better")
+    guardrail_min_delta: float = Field(0.0, description="a guarded move must beat the served version's metric by "
+                                       "this much (negative: tolerated loss)")
     copy_mode: Literal["auto", "server_side", "streaming", "proxy"] = Field(
         "auto", description="auto: copy_object when MLflow artifacts are in the same S3, streaming otherwise")
     artifacts_endpoint_url: str | None = Field(
@@ -113,6 +118,10 @@ class RegistryConfig(_Section):
     history_limit: int = Field(200, ge=1, description="routes manifest keeps this many history entries")
     gc_retention_s: float = Field(30 * 86400, ge=0, description="gc keeps folders named in history this long")
     gc_grace_s: float = Field(3600, ge=0, description="gc never deletes a folder younger than this")
+    gc_lease_s: float = Field(300, gt=0, description="gc deletes a folder only within lease/2 of marking it "
+                              "collected; a sync re-copies a collected version only after the lease")
+    owner: str | None = Field(None, pattern=NAME_PATTERN, description="deployment id recorded in the manifests it "
+                              "writes; syncs, gc and retire leave others' alone. Default: from tracking URI + LoRA path")
 
     @model_validator(mode="after")
     def _default_is_served(self) -> "RegistryConfig":
@@ -249,6 +258,11 @@ class Config(_Section):
     @property
     def lora_path(self) -> str:
         return (self.serving.dynamic_lora_loading_path or f"s3://{self.storage.bucket}/lora").rstrip("/")
+
+    @property
+    def registry_owner(self) -> str:
+        digest = hashlib.sha256(f"{self.tracking_uri}|{self.lora_path}".encode()).hexdigest()[:12]
+        return self.registry.owner or f"deployment-{digest}"
 
     @property
     def base_model_source(self) -> str:

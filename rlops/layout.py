@@ -168,10 +168,17 @@ class HistoryEntry(_Strict):
     trigger: str
 
 
+RefusalKind = Literal["adapter", "guardrail", "collecting"]
+
+
 class Refusal(_Strict):
+    """Why an alias keeps its previous target. `adapter`: the version cannot be served (sticky until the alias
+    moves or a promote retries it); `guardrail`: its eval metric lost; `collecting`: gc is deleting its folder."""
+
     version: int = Field(ge=1)
     reason: str
     at: str
+    kind: RefusalKind = "adapter"
 
 
 class Collected(_Strict):
@@ -184,6 +191,7 @@ class Collected(_Strict):
 class RoutesManifest(_Strict):
     schema_version: Literal[1] = SCHEMA_VERSION
     model: str
+    owner: str | None = None  # the deployment (registry.owner) that writes it; None: written before owners
     generation: int = Field(0, ge=0)
     updated_at: str = Field(default_factory=utc_now)
     aliases: dict[str, AliasRoute] = Field(default_factory=dict)

@@ -232,3 +232,36 @@ def test_version_whose_logged_model_was_deleted_is_refused(stack, test_config, m
     mlflow_client.set_registered_model_alias(model, "production", str(v1))
     report = sync_model(test_config, model, trigger="test")
     assert report.served == {} and "no longer exists" in report.refused["production"]["reason"]
+
+
+def test_guardrail_holds_for_every_trigger(stack, test_config, mlflow_client, registered):
+    """An alias moved to a worse version in the MLflow UI (then a webhook or reconciler sync) is refused the
+    same as `promote` would be: the old target stays, the refusal is in the manifest and on the version."""
+    from registry_hooks import operations
+
+    model = test_config.registry.models[0]
+    good, worse = registered(seed=1, metric=0.6), registered(seed=2, metric=0.4)
+    mlflow_client.set_registered_model_alias(model, "production", str(good))
+    sync_model(test_config, model, trigger="webhook")
+    mlflow_client.set_registered_model_alias(model, "production", str(worse))
+    mlflow_client.set_registered_model_alias(model, "staging", str(worse))  # not guarded: follows
+    for trigger in ("webhook", "reconciler"):
+        report = sync_model(test_config, model, trigger=trigger)
+        assert report.served == {"production": good, "staging": worse}
+        assert "does not beat the current" in report.refused["production"]["reason"]
+    manifest = assert_manifest_consistent(stack, test_config)
+    assert manifest.refused["production"].kind == "guardrail" and manifest.refused["production"].version == worse
+    assert mlflow_client.get_model_version(model, str(worse)).tags["serving.refused"].startswith("production: v")
+    state = operations.status(test_config)
+    assert state["models"][0]["refused"]["production"]["version"] == worse  # `promote status` exits 6 on it
+
+    # The policy is configurable: lower-is-better (a loss metric) lets the lower score through.
+    lower = test_config.model_copy(deep=True)
+    lower.registry.guardrail_direction = "lower"
+    assert sync_model(lower, model, trigger="reconciler").served["production"] == worse
+    mlflow_client.set_registered_model_alias(model, "production", str(good))
+    assert sync_model(lower, model, trigger="reconciler").served["production"] == worse  # 0.6 loses now
+
+    # An override is a registry-visible act: the rlops.force tag on the version, whoever set it.
+    mlflow_client.set_model_version_tag(model, str(good), "rlops.force", "bob: the eval set was wrong")
+    assert sync_model(lower, model, trigger="reconciler").served["production"] == good

@@ -66,10 +66,11 @@ def test_promote_cli_end_to_end(stack, test_config, mlflow_client, versions, cli
 
     # Guardrail: v3 scores worse than production's v2 -> refused (exit 4), alias untouched; --force passes.
     code, _, err = cli(model, "--version", str(v3), "--to", "production")
-    assert code == 4 and "worse than the current" in err and "--force" in err
+    assert code == 4 and "does not beat the current" in err and "--force" in err
     assert mlflow_client.get_model_version_by_alias(model, "production").version == str(v2)
     code, _, _ = cli(model, "--version", str(v3), "--to", "production", "--force")
     assert code == 0 and read_manifest(stack, test_config).aliases["production"].version == v3
+    assert mlflow_client.get_model_version(model, str(v3)).tags["rlops.force"].startswith("alice at ")
 
     # Rollback: registry alias first (so the reconciler keeps it), then the manifest.
     code, out, _ = cli("rollback", model, "--json")

@@ -125,3 +125,24 @@ def test_reconciler_errors_are_masked_and_bounded_for_healthz():
     error = reconciler.health()["last_error"]
     assert error.startswith("m: RuntimeError: cannot reach postgresql://mlflow:****@db:5432/mlflow")
     assert "db-pass" not in error and "whsec-topsecret" not in error and len(error) <= ERROR_TEXT_LIMIT
+
+
+def test_guardrail_direction_margin_and_eval_set():
+    from types import SimpleNamespace
+
+    from registry_hooks.plan import guardrail_refusal
+
+    def facts(version, value, key="eval/maze_2d/easy/avg_score", eval_set=None):
+        return SimpleNamespace(version=version, metric_key=key, metric_value=value, eval_set=eval_set)
+
+    higher = {"direction": "higher", "min_delta": 0.0}
+    assert guardrail_refusal(facts(2, 0.5), None, **higher) is None  # nothing served yet
+    assert guardrail_refusal(facts(2, 0.5), facts(1, 0.5), **higher) is None
+    assert "does not beat" in guardrail_refusal(facts(2, 0.4), facts(1, 0.5), **higher)
+    assert guardrail_refusal(facts(2, 0.4), facts(1, 0.5), direction="lower", min_delta=0.0) is None
+    assert "by 0.05" in guardrail_refusal(facts(2, 0.52), facts(1, 0.5), direction="higher", min_delta=0.05)
+    assert guardrail_refusal(facts(2, 0.48), facts(1, 0.5), direction="higher", min_delta=-0.05) is None
+    assert "no eval metric comparable" in guardrail_refusal(facts(2, 0.9, key="eval/other/avg_score"), facts(1, 0.5), **higher)
+    assert "no eval metric comparable" in guardrail_refusal(facts(2, None), facts(1, 0.5), **higher)
+    assert "different eval sets" in guardrail_refusal(facts(2, 0.9, eval_set="a" * 64), facts(1, 0.5, eval_set="b" * 64),
+                                                      **higher)
