@@ -3,6 +3,7 @@
   promote MODEL --version N --to production      promote MODEL --from staging --to production
   promote rollback MODEL [--alias production]    promote list [MODEL]      promote status
   promote sync [MODEL]                           promote gc [--dry-run]
+  promote retire MODEL [--dry-run]               (the only way a model's routes are unpublished)
 
 Exit codes: 0 done; 1 error (MLflow/S3 unreachable, ...); 2 usage; 3 unknown model/version/alias;
 4 refused (invalid adapter, or the eval guardrail without --force); 5 sync did not converge;
@@ -27,13 +28,15 @@ EXIT_DRIFT = 6
 
 
 class PromoteGroup(click.Group):
-    """`promote MODEL ...` (no subcommand name) means the alias move; everything else is a subcommand."""
+    """`promote MODEL ... --to ALIAS` (no subcommand name) is the alias move; any other word must be a
+    subcommand, so a typo such as `promote stauts` is a usage error, not a model name."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         index = 0
         while index < len(args) and args[index].startswith("-"):
             index += 2 if args[index] == "--config" else 1
-        if index < len(args) and args[index] not in self.commands:
+        moves = any(a == "--to" or a.startswith("--to=") for a in args[index:])
+        if index < len(args) and args[index] not in self.commands and moves:
             args = [*args[:index], "to", *args[index:]]
         return super().parse_args(ctx, args)
 
@@ -154,19 +157,33 @@ def rollback_command(ctx, model, alias, dry_run, as_json) -> None:
 def sync_command(ctx, model, as_json) -> None:
     """Make serving match the registry now, for MODEL or every configured model."""
     config = _config(ctx)
-    reports, retired = [], []
+    reports = []
     with handled(as_json):
         for name in [model] if model else config.registry.models:
             reports.append(sync_model(config, name, trigger="cli", actor=actor()))
-        if not model:
-            retired = operations.retire_unlisted(config)
     if as_json:
-        click.echo(json.dumps({"reports": [r.to_dict() for r in reports], "retired": retired}, indent=2))
+        click.echo(json.dumps({"reports": [r.to_dict() for r in reports]}, indent=2))
         return
     for report in reports:
         _print_report(report, False)
-    for name in retired:
-        click.echo(f"{name}: no longer in registry.models, its routes manifest was unpublished")
+
+
+@main.command("retire")
+@click.argument("model")
+@dry_run_option
+@json_option
+@click.pass_context
+def retire_command(ctx, model, dry_run, as_json) -> None:
+    """Stop serving MODEL (not in registry.models any more): unpublish its routes manifest, keep its folders."""
+    config = _config(ctx)
+    with handled(as_json):
+        record = operations.retire(config, model, actor=actor(), dry_run=dry_run)
+    if as_json:
+        click.echo(json.dumps(record, indent=2))
+        return
+    served = ", ".join(f"{a} -> v{v}" for a, v in sorted(record["served"].items())) or "no aliases"
+    verb = "would unpublish" if dry_run else "unpublished"
+    click.echo(f"{model}: {verb} its routes manifest (generation {record['generation']}, {served})")
 
 
 @main.command("list")

@@ -1,6 +1,7 @@
 """User-facing operations on top of the sync: promote, rollback, list, status, gc."""
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Callable
@@ -10,9 +11,10 @@ from registry_hooks.adapter import InvalidAdapter
 from registry_hooks.plan import drift, parse_time, referenced_folders, rollback_target
 from registry_hooks.sync import NotFound, Promoter, PromotionError, Refused, SyncReport
 from rlops.config import Config
-from rlops.layout import is_valid_alias, utc_now, version_folder
+from rlops.layout import is_valid_alias, is_valid_name, utc_now, version_folder
 
 RECONCILER_STATUS = "reconciler"
+log = logging.getLogger(__name__)
 
 
 class UsageProblem(PromotionError):
@@ -162,16 +164,29 @@ def status(config: Config, now: datetime | None = None) -> dict:
     return {"in_sync": all(not m["drift"] for m in models), "models": models, "reconciler": reconciler}
 
 
-def retire_unlisted(config: Config) -> list[str]:
-    """Unpublish manifests of models no longer in registry.models (the intent is the listed models only):
-    their routes answer "model does not exist"; their folders are left for an operator (gc skips them)."""
+def retire(config: Config, model: str, *, actor: str | None = None, dry_run: bool = False) -> dict:
+    """Unpublish `model`'s routes manifest, so its names answer "does not exist"; its folders stay (gc only
+    collects configured models). The one way a model leaves serving: explicit, owned, and logged (an audit
+    record under `_status/` and a warning), never a side effect of a config edit."""
+    if not is_valid_name(model):
+        raise UsageProblem(f"{model!r} is not a valid registered model name")
+    if model in config.registry.models:
+        raise UsageProblem(f"{model!r} is still in registry.models, so the reconciler would publish it again; "
+                           "remove it from the config first")
     promoter = Promoter(config)
-    retired = []
-    for name in storage.list_manifest_models(promoter.dest, promoter.location):
-        if name not in config.registry.models:
-            storage.delete_manifest(promoter.dest, promoter.location, name)
-            retired.append(name)
-    return retired
+    manifest, etag = storage.read_manifest(promoter.dest, promoter.location, model)
+    if etag is None:
+        raise NotFound(f"{model!r} has no published routes manifest under {config.lora_path}")
+    promoter.check_owner(manifest)
+    record = {"model": model, "owner": manifest.owner, "generation": manifest.generation,
+              "served": {a: r.version for a, r in manifest.aliases.items()}, "retired_at": utc_now(),
+              "retired_by": actor or "unknown", "dry_run": dry_run}
+    if not dry_run:
+        storage.write_status(promoter.dest, promoter.location, f"retired-{model}", record)  # the record first
+        storage.delete_manifest(promoter.dest, promoter.location, model)
+        log.warning("retired %s: routes manifest (generation %d, served %s) unpublished by %s", model,
+                    manifest.generation, record["served"], record["retired_by"])
+    return record
 
 
 @dataclass

@@ -124,18 +124,71 @@ def test_promote_console_script_runs(stack, cli):
     assert json.loads(proc.stdout)["in_sync"] is True
 
 
-def test_promote_sync_unpublishes_models_removed_from_config(stack, test_config, mlflow_client, versions, tmp_path):
-    model = test_config.registry.models[0]
-    v1 = versions(1, 0.5)
-    mlflow_client.set_registered_model_alias(model, "production", str(v1))
-    runner = CliRunner()
-    path = write_config(tmp_path / "all.yaml", test_config.model_dump(exclude_none=True))
-    result = runner.invoke(promote_cli, ["--config", str(path), "sync", "--json"])
-    assert result.exit_code == 0 and json.loads(result.stdout)["reports"][0]["served"] == {"production": v1}
+def test_two_deployments_on_one_prefix_never_remove_each_others_routes(stack, test_config, mlflow_client, lora_template,
+                                                                       tmp_path):
+    """Neither a config edit, a typo, a full `promote sync` nor a running reconciler of one deployment can
+    unpublish another's routes; only an explicit, owned `promote retire` removes a manifest."""
+    from registry_hooks.service import Metrics, Reconciler
+    from test_promotion_hooks import wait_for
 
-    narrowed = test_config.model_copy(deep=True)
-    narrowed.registry.models = [f"{model}-successor"]
-    path = write_config(tmp_path / "narrowed.yaml", narrowed.model_dump(exclude_none=True))
-    result = runner.invoke(promote_cli, ["--config", str(path), "sync", "--json"])
-    assert result.exit_code == 0 and json.loads(result.stdout)["retired"] == [model]
-    assert read_manifest(stack, test_config) is None
+    model_a = test_config.registry.models[0]
+    a, b = test_config.model_copy(deep=True), test_config.model_copy(deep=True)
+    a.registry.owner, b.registry.owner = "deploy-a", "deploy-b"
+    b.registry.models = [f"{model_a}-b"]
+    runner = CliRunner()
+
+    def promote(cfg, *args: str, name: str = "cfg"):
+        path = write_config(tmp_path / f"{name}.yaml", cfg.model_dump(exclude_none=True))
+        result = runner.invoke(promote_cli, ["--config", str(path), *args], env={"MLFLOW_TRACKING_USERNAME": "alice"})
+        return result.exit_code, result.stdout, result.stderr
+
+    for cfg, seed in ((a, 1), (b, 2)):
+        version = register_version(cfg, write_adapter(lora_template, tmp_path / f"a{seed}", cfg, seed=seed), step=seed)
+        mlflow_client.set_registered_model_alias(cfg.registry.models[0], "production", str(version))
+        code, out, _ = promote(cfg, "sync", "--json")
+        assert code == 0 and json.loads(out)["reports"][0]["served"] == {"production": version}
+    assert read_manifest(stack, a).owner == "deploy-a" and read_manifest(stack, b, b.registry.models[0]).owner == "deploy-b"
+
+    typo = a.model_copy(deep=True)
+    typo.registry.models = [f"{model_a}-typo"]
+    assert promote(typo, "sync", "--json", name="typo")[0] == 0
+    reconciler = Reconciler(b.model_copy(update={"hooks": b.hooks.model_copy(update={"reconcile_interval_s": 0.2})}),
+                            Metrics())
+    reconciler.start()
+    try:
+        assert wait_for(lambda: reconciler.runs >= 2, 30)
+    finally:
+        reconciler.stop()
+    assert read_manifest(stack, a) is not None and read_manifest(stack, b, b.registry.models[0]) is not None
+
+    # b cannot write or retire a's manifest; a cannot retire a model it still lists.
+    both = b.model_copy(deep=True)
+    both.registry.models = [*b.registry.models, model_a]
+    code, _, err = promote(both, "sync", model_a, name="both")
+    assert code == 4 and "belongs to deployment 'deploy-a'" in err
+    code, _, err = promote(b, "retire", model_a, name="b")
+    assert code == 4 and "belongs to deployment 'deploy-a'" in err
+    code, _, err = promote(a, "retire", model_a, name="a")
+    assert code == 2 and "still in registry.models" in err
+
+    # The owner retires it deliberately: a dry run changes nothing, then the manifest goes and a record stays.
+    code, out, _ = promote(typo, "retire", model_a, "--dry-run", name="typo")
+    assert code == 0 and "would unpublish" in out and read_manifest(stack, a) is not None
+    code, out, _ = promote(typo, "retire", model_a, "--json", name="typo")
+    assert code == 0 and json.loads(out)["retired_by"] == "alice"
+    assert read_manifest(stack, a) is None and read_manifest(stack, b, b.registry.models[0]) is not None
+    record = status_record(stack, a, f"retired-{model_a}")
+    assert record["served"] and record["owner"] == "deploy-a"
+    assert promote(typo, "retire", model_a, name="typo")[0] == 3  # nothing left to retire
+
+
+def status_record(stack, config, name: str) -> dict:
+    from registry_hooks import storage
+    from rlops.layout import parse_s3_uri
+
+    return storage.read_status(stack.s3(), parse_s3_uri(config.lora_path), name)
+
+
+def test_unknown_verb_is_a_usage_error(cli):
+    code, _, err = cli("stauts")
+    assert code == 2 and "No such command 'stauts'" in err
