@@ -243,7 +243,7 @@ def status_command(ctx, as_json) -> None:
 @json_option
 @click.pass_context
 def gc_command(ctx, dry_run, as_json) -> None:
-    """Delete version folders no alias or recent history names (older than the grace period)."""
+    """Delete version folders nothing names any more (marked collected first; `@vN` then answers 404)."""
     config = _config(ctx)
     with handled(as_json):
         report = operations.gc(config, dry_run=dry_run)
@@ -253,6 +253,11 @@ def gc_command(ctx, dry_run, as_json) -> None:
     verb = "would delete" if dry_run else "deleted"
     click.echo(f"{verb}: {', '.join(report.deleted) or 'nothing'}")
     click.echo(f"kept (referenced): {len(report.kept)}, kept (younger than grace): {len(report.too_young)}")
+    for label, items in (("left for the next gc (lease ran short)", report.unfinished),
+                         ("copied back (named again while deleted)", report.restored),
+                         ("skipped (manifest owned by another deployment)", report.not_owned)):
+        if items:
+            click.echo(f"{label}: {', '.join(items)}")
 
 
 if __name__ == "__main__":

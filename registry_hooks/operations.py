@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Callable
@@ -9,9 +10,9 @@ from typing import Callable
 from registry_hooks import registry, storage
 from registry_hooks.adapter import InvalidAdapter
 from registry_hooks.plan import drift, parse_time, referenced_folders, rollback_target
-from registry_hooks.sync import NotFound, Promoter, PromotionError, Refused, SyncReport
+from registry_hooks.sync import NotFound, Promoter, PromotionError, Refused, SyncConflict, SyncReport
 from rlops.config import Config
-from rlops.layout import is_valid_alias, is_valid_name, utc_now, version_folder
+from rlops.layout import Collected, RoutesManifest, is_valid_alias, is_valid_name, utc_now, version_folder
 
 RECONCILER_STATUS = "reconciler"
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def _move_alias(promoter: Promoter, model: str, alias: str, version: int, *, tri
         if dry_run:
             promoter.inspect(model, version)
         else:
-            promoter.prepare(model, version)
+            promoter.prepare(model, version, collected=version in manifest.collected_versions())
     except InvalidAdapter as exc:
         if not dry_run:
             registry.set_tags(promoter.mlflow, model, version, {registry.REFUSED_TAG: str(exc)})
@@ -194,37 +195,103 @@ class GcReport:
     deleted: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
     too_young: list[str] = field(default_factory=list)
+    unfinished: list[str] = field(default_factory=list)  # marked collected, left for the next gc (lease ran short)
+    restored: list[str] = field(default_factory=list)  # named again while deleted (must not happen): copied back
+    not_owned: list[str] = field(default_factory=list)  # models whose manifest another deployment writes
     dry_run: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+GC_ROUNDS = 8
+
+
+def _version_folders(promoter: Promoter, models: list[str]) -> dict[str, list[int]]:
+    """Existing version folders of `models`, as versions by model (anything else under the prefix is not ours)."""
+    found: dict[str, list[int]] = {m: [] for m in models}
+    for folder in storage.list_subfolders(promoter.dest, promoter.location):
+        head, _, number = folder.rpartition("-v")
+        if head in found and number.isdigit() and folder == version_folder(head, int(number)):
+            found[head].append(int(number))
+    return found
+
+
 def gc(config: Config, *, dry_run: bool = False, now: datetime | None = None) -> GcReport:
-    """Delete version folders of configured models that no alias (registry or manifest) and no history entry
-    within `registry.gc_retention_s` names, and that are older than `registry.gc_grace_s`."""
+    """Delete version folders of configured, owned models that nothing can reach any more: no alias target
+    (registry or manifest), no refusal, no history entry within `registry.gc_retention_s`, and older than
+    `registry.gc_grace_s`. `@v<N>` of a deleted version then answers 404 "garbage-collected".
+
+    The manifest is the lock against a racing promotion. Versions are first marked `collected` with a
+    conditional PUT: a sync that published before wins (the version is re-read as referenced and kept); one
+    after sees the mark and does not touch the folder for `registry.gc_lease_s`. Deletes happen only in the
+    first half of the lease, the manifest is re-read after each folder, and a version found named again is
+    copied back at once (a clock far off is the only way there)."""
     promoter = Promoter(config)
     now = now or datetime.now(timezone.utc)
-    manifests, intents = [], {}
-    for name in config.registry.models:
-        manifests.append(storage.read_manifest(promoter.dest, promoter.location, name)[0])
-        intents[name] = registry.read_intent(promoter.mlflow, name, config.registry.served_aliases) or {}
-    keep = referenced_folders(manifests, intents, now, timedelta(seconds=config.registry.gc_retention_s))
-    ours = {f"{name}-v" for name in config.registry.models}
     report = GcReport(dry_run=dry_run)
-    for folder in sorted(storage.list_subfolders(promoter.dest, promoter.location)):
-        head, _, number = folder.rpartition("-v")
-        if f"{head}-v" not in ours or not number.isdigit() or folder != version_folder(head, int(number)):
-            continue  # not a version folder of a configured model: never ours to delete
-        if folder in keep:
-            report.kept.append(folder)
-            continue
-        objects = storage.list_folder(promoter.dest, promoter.location.bucket, promoter.location.key(folder))
-        youngest = max((o.last_modified for o in objects.values()), default=now)
-        if now - youngest < timedelta(seconds=config.registry.gc_grace_s):
-            report.too_young.append(folder)
-            continue
-        if not dry_run:
-            storage.delete_folder(promoter.dest, promoter.location.bucket, promoter.location.key(folder), list(objects))
-        report.deleted.append(folder)
+    for model, versions in _version_folders(promoter, config.registry.models).items():
+        _collect_model(promoter, model, sorted(versions), now, report)
     return report
+
+
+def _collect_model(promoter: Promoter, model: str, versions: list[int], now: datetime, report: GcReport) -> None:
+    policy = promoter.config.registry
+    for _ in range(GC_ROUNDS):
+        manifest, etag = storage.read_manifest(promoter.dest, promoter.location, model)
+        if manifest.owner not in (None, promoter.config.registry_owner):
+            report.not_owned.append(model)
+            return
+        intent = registry.read_intent(promoter.mlflow, model, policy.served_aliases) or {}
+        keep = referenced_folders([manifest], {model: intent}, now, timedelta(seconds=policy.gc_retention_s))
+        kept, young, doomed = [], [], {}
+        for version in versions:
+            folder = version_folder(model, version)
+            if folder in keep:
+                kept.append(folder)
+                continue
+            objects = storage.list_folder(promoter.dest, promoter.location.bucket, promoter.location.key(folder))
+            youngest = max((o.last_modified for o in objects.values()), default=now)
+            if now - youngest < timedelta(seconds=policy.gc_grace_s):
+                young.append(folder)
+            elif objects:
+                doomed[version] = list(objects)
+        if doomed and not report.dry_run:
+            marks = {c.version: c for c in manifest.collected}
+            marks.update({v: Collected(version=v, at=utc_now()) for v in doomed})  # a renewed mark renews the lease
+            marked = RoutesManifest.model_validate({
+                **manifest.model_dump(), "generation": manifest.generation + 1, "updated_at": utc_now(),
+                "collected": [m.model_dump() for m in sorted(marks.values(), key=lambda m: m.version)]})
+            try:
+                etag = storage.write_manifest(promoter.dest, promoter.location, marked, etag)
+            except storage.ManifestConflict:
+                continue  # a sync published meanwhile: decide again on what it wrote
+            _delete_marked(promoter, model, doomed, etag, report)
+        else:
+            report.deleted.extend(version_folder(model, v) for v in doomed)
+        report.kept.extend(kept)
+        report.too_young.extend(young)
+        return
+    raise SyncConflict(f"gc of {model!r} did not converge after {GC_ROUNDS} rounds: other writers kept publishing")
+
+
+def _delete_marked(promoter: Promoter, model: str, doomed: dict[int, list[str]], etag: str, report: GcReport) -> None:
+    deadline = time.monotonic() + promoter.config.registry.gc_lease_s / 2
+    deleted: list[int] = []
+    for version, names in sorted(doomed.items()):
+        folder = version_folder(model, version)
+        if time.monotonic() > deadline:
+            report.unfinished.append(folder)
+            continue
+        storage.delete_folder(promoter.dest, promoter.location.bucket, promoter.location.key(folder), names)
+        log.info("gc: deleted %s (marked collected in the routes manifest of %s)", folder, model)
+        report.deleted.append(folder)
+        deleted.append(version)
+        manifest, now_etag = storage.read_manifest(promoter.dest, promoter.location, model)
+        if now_etag != etag:
+            for route in manifest.aliases.values():
+                if route.version in deleted and version_folder(model, route.version) not in report.restored:
+                    log.warning("gc: %s was published again while being deleted; copying it back", route.folder)
+                    promoter.prepare(model, route.version, collected=True)
+                    report.restored.append(route.folder)
+            etag = now_etag

@@ -230,17 +230,23 @@ class Promoter:
         with self.source_files(model, version) as (files, source):
             return self.validate(files, source)
 
-    def prepare(self, model: str, version: int) -> AliasRoute:
-        """Make `<model>-v<version>/` complete and verified; raise InvalidAdapter if the version can't be served."""
+    def prepare(self, model: str, version: int, *, collected: bool = False) -> AliasRoute:
+        """Make `<model>-v<version>/` complete and verified; raise InvalidAdapter if the version can't be served.
+        `collected`: gc marked the version, so whatever is left of its folder is cleared and copied again."""
         with self.source_files(model, version) as (files, source):
-            return self._prepare_from(files, model, version, source)
+            return self._prepare_from(files, model, version, source, collected)
 
-    def _prepare_from(self, files: SourceFiles, model: str, version: int, source: registry.VersionSource) -> AliasRoute:
+    def _prepare_from(self, files: SourceFiles, model: str, version: int, source: registry.VersionSource,
+                      collected: bool = False) -> AliasRoute:
         checksums = self.validate(files, source)
         folder = version_folder(model, version)
         prefix = self.location.key(folder)
         route = AliasRoute(version=version, folder=folder, files=checksums, promoted_at=utc_now(), trigger="")
         existing = storage.list_folder(self.dest, self.location.bucket, prefix)
+        if collected and existing:
+            # Nothing serves a collected version, and a gc may have stopped half-way: never trust the remains.
+            storage.delete_folder(self.dest, self.location.bucket, prefix, list(existing))
+            existing = {}
         if ADAPTER_CONFIG in existing:
             self._verify_complete(prefix, existing, checksums)
             return route
@@ -347,7 +353,8 @@ class Promoter:
                             and not self.folder_complete(model, version)):
                         refusals[version] = earlier.reason  # sticky until the alias moves or a promote retries it
                         continue
-                    prepared[version] = self.prepare(model, version)
+                    prepared[version] = self.prepare(model, version,
+                                                     collected=version in manifest.collected_versions())
                 except InvalidAdapter as exc:
                     refusals[version] = str(exc)
                     new_refusals.add(version)
