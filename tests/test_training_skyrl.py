@@ -132,7 +132,9 @@ json.dump({{"argv": args, "runtime_env": json.load(open(env_file)),
     env.update({"PATH": f"{fake_bin}:{env['PATH']}", "PYTHON": sys.executable, "RAY_ADDRESS": "http://ray-head:8265",
                 "SUBMISSION_ID": "grpo-test", "RLOPS_CONFIG": str(REPO / "mlflow.yaml"),
                 "MLFLOW_TRACKING_URI": "https://mlflow.example.com", "MLFLOW_TRACKING_PASSWORD": "s3cret-pw",
-                "AWS_SECRET_ACCESS_KEY": "aws-secret-value", "RLOPS_TRAINING__DATASETS_PATH": "/data/rlops/datasets"})
+                "AWS_SECRET_ACCESS_KEY": "aws-secret-value", "RLOPS_TRAINING__DATASETS_PATH": "/data/rlops/datasets",
+                "RLOPS_HOOKS__SECRET": "whsec-hooks-value",
+                "RLOPS_SERVER__BACKEND_STORE_URI": "postgresql://mlflow:db-pass-value@db:5432/mlflow"})
     proc = subprocess.run(["bash", str(REPO / "training" / "train_job.sh"), "trainer.epochs=3"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -151,7 +153,10 @@ json.dump({{"argv": args, "runtime_env": json.load(open(env_file)),
     assert not any("s3cret" in a or "aws-secret" in a for a in argv)
     env_vars = call["runtime_env"]["env_vars"]
     assert env_vars["MLFLOW_TRACKING_URI"] == "https://mlflow.example.com"
-    assert env_vars["MLFLOW_TRACKING_PASSWORD"] == "s3cret-pw" and env_vars["AWS_SECRET_ACCESS_KEY"] == "aws-secret-value"
+    # Ray shows a runtime env in job info and logs: no secret goes there (the Ray nodes have them).
+    secrets = ("s3cret-pw", "aws-secret-value", "whsec-hooks-value", "db-pass-value")
+    assert not any(secret in json.dumps(call["runtime_env"]) for secret in secrets)
+    assert "RLOPS_HOOKS__SECRET, RLOPS_SERVER__BACKEND_STORE_URI" in proc.stderr and not any(s in proc.stderr for s in secrets)
     assert env_vars["RLOPS_CONFIG"] == str(REPO / "mlflow.yaml")
     assert env_vars["RLOPS_TRAINING__DATASETS_PATH"] == "/data/rlops/datasets"
     assert call["mode"] == "0o600"
@@ -167,3 +172,6 @@ def test_train_job_requires_ray_address():
 def test_runtime_env_defaults_the_tracking_uri_from_config():
     config = Config.model_validate({"tracking": {"uri": "http://mlflow.internal:5000"}})
     assert runtime_env(config, environ={})["env_vars"] == {"MLFLOW_TRACKING_URI": "http://mlflow.internal:5000"}
+    leaky = runtime_env(config, environ={"MLFLOW_TRACKING_URI": "https://u:pw@mlflow.example.com", "HF_TOKEN": "hf_x",
+                                         "AWS_ACCESS_KEY_ID": "AKIAABCDEFGHIJKLMNOP", "RLOPS_TRAINING__MAX_TURNS": "3"})
+    assert leaky["env_vars"] == {"RLOPS_TRAINING__MAX_TURNS": "3"} and leaky["withheld"] == ["MLFLOW_TRACKING_URI"]

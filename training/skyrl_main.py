@@ -6,7 +6,7 @@ recipe's overrides come from the `training` section of the rlops config (mlflow.
 the `visgym` env is registered and `TrackedPPOExp` (our run, our callback, HF-export archiving) runs.
 
     python -m training.skyrl_main --print-overrides     # the recipe, one override per line
-    python -m training.skyrl_main --print-runtime-env   # Ray runtime env JSON (MLflow/S3/rlops env)
+    python -m training.skyrl_main --print-runtime-env   # Ray runtime env JSON (MLflow/S3/rlops env, no secrets)
     python -m training.skyrl_main [overrides...]         # run (on the cluster, inside `ray job submit`)
 """
 from __future__ import annotations
@@ -16,13 +16,14 @@ import os
 import sys
 from typing import Any, Mapping, Sequence
 
-from rlops.config import Config, load_config
+from rlops.config import Config, is_secret_key, load_config, mask_value
 
-# Forwarded to the Ray job (SkyRL itself forwards only MLFLOW_TRACKING_URI/TOKEN to a remote cluster).
+# Forwarded to the Ray job. Ray shows a runtime env on its Jobs page, in job info and in its logs, so no
+# credential goes there: the Ray nodes have them in their own environment (the Secret refs of
+# docker/k8s/raycluster-train.yaml; locally, the shell that ran `ray start`).
 FORWARDED_ENV = (
-    "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
-    "MLFLOW_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
-    "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "RLOPS_CONFIG", "HF_TOKEN",
+    "MLFLOW_TRACKING_URI", "MLFLOW_S3_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL",
+    "RLOPS_CONFIG",
 )
 
 
@@ -60,14 +61,20 @@ def recipe_overrides(config: Config) -> list[str]:
     ]
 
 
+def is_secret_env(name: str, value: str) -> bool:
+    """A variable that must stay out of Ray: a secret-looking name, or a value with a credential or a URI password."""
+    return is_secret_key(name) or mask_value(name.lower(), value) != value
+
+
 def runtime_env(config: Config, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The Ray runtime env of the job: MLflow, S3 and rlops variables of this shell (written to a 0600
-    file by train_job.sh, so credentials never appear on a command line)."""
+    """The Ray runtime env of the job: the non-secret MLflow, S3 and rlops variables of this shell.
+    Returns it with the names of the variables withheld as secrets under `withheld` (not part of Ray's env)."""
     environ = os.environ if environ is None else environ
-    env_vars = {"MLFLOW_TRACKING_URI": config.tracking_uri}
-    env_vars.update({k: environ[k] for k in FORWARDED_ENV if environ.get(k)})
-    env_vars.update({k: v for k, v in environ.items() if k.startswith("RLOPS_") and v})
-    return {"env_vars": env_vars}
+    wanted = {"MLFLOW_TRACKING_URI": config.tracking_uri}
+    wanted.update({k: environ[k] for k in FORWARDED_ENV if environ.get(k)})
+    wanted.update({k: v for k, v in environ.items() if k.startswith("RLOPS_") and v})
+    env_vars = {k: v for k, v in wanted.items() if not is_secret_env(k, v)}
+    return {"env_vars": env_vars, "withheld": sorted(set(wanted) - set(env_vars))}
 
 
 def build_skyrl_config(overrides: Sequence[str]):
@@ -97,7 +104,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("\n".join(recipe_overrides(config)))
         return
     if args[:1] == ["--print-runtime-env"]:
-        print(json.dumps(runtime_env(config), indent=2))
+        env = runtime_env(config)
+        if env["withheld"]:
+            print(f"skyrl_main: not forwarded to Ray (secrets come from the Ray nodes' environment): "
+                  f"{', '.join(env['withheld'])}", file=sys.stderr)
+        print(json.dumps({"env_vars": env["env_vars"]}, indent=2))
         return
     bad = [a for a in args if "=" not in a or a.startswith("-")]
     if bad:

@@ -4,9 +4,11 @@
 #   RAY_ADDRESS=http://127.0.0.1:8265 bash training/train_job.sh [extra SkyRL overrides key=value ...]
 #
 # The recipe's overrides come from the rlops config (`training` section of mlflow.yaml, or RLOPS_CONFIG)
-# and appear on the submitted command line; extra overrides given here come last and win. MLflow, S3 and
-# RLOPS_* variables of this shell reach the job through a runtime-env file readable only by you, so no
-# credential appears on a command line. Optional: SUBMISSION_ID, PYTHON (default: python3),
+# and appear on the submitted command line; extra overrides given here come last and win. The non-secret
+# MLflow, S3 and RLOPS_* variables of this shell reach the job through a runtime-env file readable only by
+# you. Credentials never do (Ray shows a runtime env in job info and logs): the Ray nodes hold them in
+# their own environment (docker/k8s/raycluster-train.yaml's Secret refs; locally, the shell that ran
+# `ray start`); the names withheld are printed. Optional: SUBMISSION_ID, PYTHON (default: python3),
 # RLOPS_TRAINING__DATASETS_PATH / __CKPT_PATH / __EXPORT_PATH (paths as the cluster sees them).
 # Resuming: submit again with the same checkpoint path (trainer.resume_mode=latest, same MLflow run).
 set -euo pipefail
