@@ -219,3 +219,51 @@ def _get_json(url: str):
         return httpx.get(url, timeout=1).json()
     except httpx.HTTPError:
         return None
+
+
+def test_receiver_answers_any_delivery_without_a_5xx(hooks_service):
+    """Property test: forged, replayed, stale, malformed, oversized and valid deliveries with arbitrary
+    headers (non-ASCII included) all get a JSON 2xx/4xx, never a 5xx."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    cfg, reconciler, metrics, url = hooks_service(reconcile_interval_s=0)
+    client = httpx.Client(timeout=10)
+    names = st.one_of(st.just(cfg.registry.models[0]), st.text(max_size=12), st.integers(), st.none())
+    events = st.builds(lambda entity, action, name: {"entity": entity, "action": action, "data": {"name": name}},
+                       st.sampled_from(["model_version_alias", "model_version", "x", ""]),
+                       st.sampled_from(["created", "deleted", "updated"]), names)
+    json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                               lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                          max_size=3), max_leaves=8)
+    payloads = st.one_of(
+        events.map(lambda e: json.dumps(e).encode()),
+        json_values.map(lambda v: json.dumps(v).encode()),
+        st.binary(max_size=512),
+        st.integers(MAX_BODY_BYTES - 2, 2 * MAX_BODY_BYTES).map(lambda n: b"{" + b" " * n + b"}"),
+    )
+    header_chars = st.characters(codec="latin-1", exclude_categories=("Cc",))
+    header_text = st.text(alphabet=header_chars, max_size=60).map(str.strip)
+    seen_ids: list[str] = []
+
+    @settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(payload=payloads, how=st.sampled_from(["valid", "replay", "wrong-secret", "garbage", "missing", "stale"]),
+           delivery=header_text, garbage=header_text)
+    def deliver(payload, how, delivery, garbage):
+        delivery = delivery or "d"
+        if how == "replay" and seen_ids:
+            delivery = seen_ids[-1]
+        stamp = str(int(time.time()) - (3600 if how == "stale" else 0))
+        secret = "not-the-secret" if how == "wrong-secret" else cfg.hooks.secret
+        signature = garbage if how == "garbage" else sign(secret, delivery, stamp, payload)
+        headers = {} if how == "missing" else {"X-MLflow-Delivery-Id": delivery, "X-MLflow-Timestamp": stamp,
+                                               "X-MLflow-Signature": signature}
+        response = client.post(f"{url}/webhook", content=payload,
+                               headers={k: v.encode("latin-1") for k, v in headers.items()})
+        assert response.status_code < 500, (how, response.status_code, response.text)
+        body = response.json()
+        assert isinstance(body, dict) and ("error" in body or "status" in body), body
+        seen_ids.append(delivery)
+
+    deliver()
+    assert sample(metrics, "rlops_hooks_deliveries_total", result="rejected") > 0
