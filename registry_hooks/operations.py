@@ -56,22 +56,21 @@ def promote(
     if from_alias is not None:
         version = _lookup(registry.version_by_alias, promoter.mlflow, model, from_alias)
     assert version is not None
-    _lookup(registry.version_source, promoter.mlflow, model, version)
-    if to_alias in config.registry.guarded_aliases:
+    _lookup(registry.version_source, promoter.mlflow, model, version)  # NotFound (exit 3) for a missing version
+    guarded = to_alias in config.registry.guarded_aliases
+    if guarded and not force:
         manifest, _ = storage.read_manifest(promoter.dest, promoter.location, model)
         served = manifest.aliases.get(to_alias)
-        if force and not dry_run:
-            registry.set_tags(promoter.mlflow, model, version,
-                              {registry.FORCE_TAG: f"{actor or 'unknown'} at {utc_now()}: promote --force --to {to_alias}"})
-        elif not force:
-            reason = promoter.guard_refusal(model, version, served.version if served else None)
-            if reason:
-                raise Refused(f"{reason}; use --force to promote anyway (it tags the version {registry.FORCE_TAG})")
-    return _move_alias(promoter, model, to_alias, version, trigger=trigger, actor=actor, dry_run=dry_run)
+        reason = promoter.guard_refusal(model, version, served.version if served else None)
+        if reason:
+            raise Refused(f"{reason}; use --force to promote anyway (it tags the version {registry.FORCE_TAG})")
+    return _move_alias(promoter, model, to_alias, version, trigger=trigger, actor=actor, dry_run=dry_run,
+                       override=f"promote --force --to {to_alias}" if guarded and force else None)
 
 
 def _move_alias(promoter: Promoter, model: str, alias: str, version: int, *, trigger: str, actor: str | None,
-                dry_run: bool) -> SyncReport:
+                dry_run: bool, override: str | None = None) -> SyncReport:
+    """`override`: why this move passes the guardrail, recorded as the version's rlops.force tag (who, when)."""
     manifest, _ = storage.read_manifest(promoter.dest, promoter.location, model)
     promoter.check_owner(manifest)
     collecting = promoter.collecting_reason(manifest, version)
@@ -90,6 +89,8 @@ def _move_alias(promoter: Promoter, model: str, alias: str, version: int, *, tri
         return SyncReport(model=model, trigger=trigger, generation=manifest.generation,
                           served={a: r.version for a, r in manifest.aliases.items()}, promoted={alias: version},
                           copy_mode=promoter.last_mode, warnings=["dry run: nothing was copied or changed"])
+    if override:
+        registry.set_tags(promoter.mlflow, model, version, {registry.FORCE_TAG: f"{actor or 'unknown'} at {utc_now()}: {override}"})
     registry.set_alias(promoter.mlflow, model, alias, version)
     report = promoter.sync(model, trigger=trigger, actor=actor)
     if report.served.get(alias) != version:
@@ -108,10 +109,10 @@ def rollback(config: Config, model: str, *, alias: str | None = None, actor: str
     target = rollback_target(manifest, alias)
     if target is None:
         raise NotFound(f"{model}@{alias} has no earlier target in the served history to roll back to")
-    if alias in config.registry.guarded_aliases and not dry_run:
-        # Going back is deliberate even to a lower score: say so where the guardrail (and everyone) looks.
-        registry.set_tags(promoter.mlflow, model, target, {registry.FORCE_TAG: f"{actor or 'unknown'} at {utc_now()}: rollback of {alias}"})
-    return _move_alias(promoter, model, alias, target, trigger="rollback", actor=actor, dry_run=dry_run)
+    # Going back is deliberate even to a lower score: say so where the guardrail (and everyone) looks.
+    override = f"rollback of {alias}" if alias in config.registry.guarded_aliases else None
+    return _move_alias(promoter, model, alias, target, trigger="rollback", actor=actor, dry_run=dry_run,
+                       override=override)
 
 
 def list_models(config: Config, model: str | None = None) -> list[dict]:

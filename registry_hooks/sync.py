@@ -346,15 +346,15 @@ class Promoter:
                         held[alias] = ("guardrail", f"{losing}; to override, tag v{version} "
                                                     f"{registry.FORCE_TAG}='<who>: <why>' (promote --force does)")
                         continue
-                    if version in prepared:
+                    collected = version in manifest.collected_versions()  # gc came after an earlier round
+                    if version in prepared and not collected:
                         continue
                     earlier = manifest.refused.get(alias)
                     if (earlier is not None and earlier.kind == "adapter" and earlier.version == version
                             and not self.folder_complete(model, version)):
                         refusals[version] = earlier.reason  # sticky until the alias moves or a promote retries it
                         continue
-                    prepared[version] = self.prepare(model, version,
-                                                     collected=version in manifest.collected_versions())
+                    prepared[version] = self.prepare(model, version, collected=collected)
                 except InvalidAdapter as exc:
                     refusals[version] = str(exc)
                     new_refusals.add(version)
