@@ -5,7 +5,6 @@
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping
 
 from rlops.config import Config, ConfigError, s3_environment
@@ -132,13 +131,8 @@ def run(config: Config, environ: Mapping[str, str], *, blocking: bool = True) ->
 
     serving = config.serving
     env = job_environment(config, environ)
-    # Credentials reach the replicas through the environment the local Ray inherits from this process, never
-    # through runtime_env, which Ray records in job info and logs.
-    secret_names = {*S3_SECRET_ENV, serving.api_keys_env}
-    os.environ.update({k: v for k, v in env.items() if k in secret_names})
-    plain = {k: v for k, v in env.items() if k not in secret_names}
     # address="local": always a fresh Ray of our own, never a cluster some other tool started here.
-    ray.init(address="local", num_cpus=serving.local_num_cpus, runtime_env={"env_vars": plain}, include_dashboard=False,
+    ray.init(address="local", num_cpus=serving.local_num_cpus, runtime_env={"env_vars": env}, include_dashboard=False,
              _metrics_export_port=serving.metrics_port)
     app = build_app(config)
     serve.start(http_options={"host": serving.host, "port": serving.port})
