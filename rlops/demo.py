@@ -100,10 +100,14 @@ def _hooks_secret(config: Config) -> str:
 
 
 def _endpoint_ready(base_url: str, wanted: str, version: int) -> bool:
-    """The endpoint lists `wanted` at `version` (its routes refresh within the staleness bound)."""
+    """The endpoint lists `wanted` at `version` (its routes refresh within the staleness bound) and answers
+    it: the ingress lists models before the vLLM replica has loaded, so only an answer proves readiness."""
     response = httpx.get(f"{base_url}/models", timeout=5)
     listed = {m["id"]: m.get("metadata", {}).get("version") for m in response.json()["data"]} if response.status_code == 200 else {}
-    return listed.get(wanted) == version
+    if listed.get(wanted) != version:
+        return False
+    body = {"model": wanted, "messages": [{"role": "user", "content": "move"}], "max_tokens": 1}
+    return httpx.post(f"{base_url}/chat/completions", json=body, timeout=5).status_code == 200
 
 
 def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
@@ -176,7 +180,7 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
         except Refused as exc:
             echo(f"    promote refused (guardrail): {exc}")
 
-    with progress.stage("serving: Ray Serve LLM endpoint on the CPU engine"):
+    with progress.stage("serving: Ray Serve LLM endpoint on vLLM"):
         record = processes.read_record(config.data_path, "serve")
         if record is None or record.process() is None:
             if stack.http_ok(f"{base_url}/models"):

@@ -21,6 +21,7 @@ VERSION_ALIAS_RE = re.compile(r"^v(\d+)$")
 MAX_NAME_LENGTH = 256
 
 ROUTES_DIR = "_routes"
+ROUTES_STAMP = "_routes.stamp"  # rewritten after every manifest write or delete: readers list _routes/ when it moves
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ALLOWED_SUFFIXES = (".safetensors", ".json")
@@ -126,6 +127,10 @@ def routes_key(location: S3Location, model: str) -> str:
 
 def routes_prefix(location: S3Location) -> str:
     return location.key(ROUTES_DIR) + "/"
+
+
+def routes_stamp_key(location: S3Location) -> str:
+    return location.key(ROUTES_STAMP)
 
 
 def model_from_routes_key(location: S3Location, key: str) -> str | None:
