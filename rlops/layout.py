@@ -21,7 +21,10 @@ VERSION_ALIAS_RE = re.compile(r"^v(\d+)$")
 MAX_NAME_LENGTH = 256
 
 ROUTES_DIR = "_routes"
-ROUTES_STAMP = "_routes.stamp"  # rewritten after every manifest write or delete: readers list _routes/ when it moves
+ROUTES_STAMP = "_routes.stamp"
+# What the tracker records and promotion reads: the checkpoint's step tag, the per-maze eval tables' folder.
+TAG_STEP = "rlops.step"
+EVAL_TABLE_DIR = "eval_tables"  # rewritten after every manifest write or delete: readers list _routes/ when it moves
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ALLOWED_SUFFIXES = (".safetensors", ".json")

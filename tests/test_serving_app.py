@@ -297,12 +297,15 @@ def test_completions_with_usage_and_stop(served: ServedApp):
     assert full.model == served.name("@staging") and full.usage.prompt_tokens == 3
     text = full.choices[0].text
     assert full.usage.completion_tokens >= 1 and full.usage.total_tokens == 3 + full.usage.completion_tokens
-    words = text.split()
-    stop = " " + next(w for w in words[1:] if w != words[0])  # a word after the first: the cut is not empty
-    # The answer ends right before the first occurrence of the stop string, which is not returned.
-    cut = client.completions.create(model=served.name("@staging"), prompt="move right then", temperature=0,
-                                    max_tokens=6, stop=[stop])
-    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert text.split()
+    # Stop: adapter b answers "down down left left ..."; the answer ends right before the first " left",
+    # which is not returned.
+    full_chat = client.chat.completions.create(model=served.name("@staging"), messages=chat_messages(False),
+                                               temperature=0, max_tokens=8).choices[0].message.content
+    cut = client.chat.completions.create(model=served.name("@staging"), messages=chat_messages(False),
+                                         temperature=0, max_tokens=8, stop=[" left"])
+    assert " left" in full_chat and cut.choices[0].message.content == full_chat[:full_chat.index(" left")]
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content.split() == ["down", "down"]
     sampled = client.completions.create(model=served.name(), prompt="move", temperature=1.0, seed=7, max_tokens=4)
     assert sampled.usage.completion_tokens <= 4
 
