@@ -3,7 +3,9 @@
 # Versions are the pin set's (constraints/cpu.txt). Build: docker build -f docker/mlflow.Dockerfile docker/
 FROM python:3.11.14-slim-bookworm
 
-RUN pip install --no-cache-dir "mlflow[auth]==3.17.2" "psycopg[binary]==3.3.9" "boto3==1.44.8" \
+# uv installs (pip only bootstraps it), as scripts/install.sh does.
+RUN pip install --no-cache-dir "uv==0.13.8" \
+    && uv pip install --system --no-cache "mlflow[auth]==3.17.2" "psycopg[binary]==3.3.9" "boto3==1.44.8" \
     && useradd --create-home --uid 1000 mlflow
 
 USER 1000

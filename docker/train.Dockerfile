@@ -7,7 +7,9 @@
 FROM novaskyai/skyrl-train-ray-2.56.0-py3.12-cu12.8
 
 # skyrl 0.3.0 pins ray==2.56.0, the base image's Ray.
-RUN pip install --no-cache-dir "skyrl[skyrl-train,fsdp]==0.3.0" "mlflow==3.17.2"
+# uv installs (pip only bootstraps it), as scripts/install.sh does.
+RUN pip install --no-cache-dir "uv==0.13.8" \
+    && uv pip install --system --no-cache "skyrl[skyrl-train,fsdp]==0.3.0" "mlflow==3.17.2"
 COPY --chown=ray:users pyproject.toml README.md /tmp/rlops/
 COPY --chown=ray:users rlops /tmp/rlops/rlops
 COPY --chown=ray:users tracker /tmp/rlops/tracker
@@ -16,7 +18,7 @@ COPY --chown=ray:users serving /tmp/rlops/serving
 COPY --chown=ray:users registry_hooks /tmp/rlops/registry_hooks
 # The submit script, run from the head pod (docs/deployment.md); it resolves the installed package.
 COPY --chown=ray:users training/train_job.sh /opt/rlops/training/train_job.sh
-RUN pip install --no-cache-dir "/tmp/rlops[skyrl]" \
+RUN uv pip install --system --no-cache "/tmp/rlops[skyrl]" \
     && rm -rf /tmp/rlops \
     && python -c "import tracker, training, skyrl.train.trainer" \
     && rlops --help >/dev/null

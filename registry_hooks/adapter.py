@@ -14,6 +14,10 @@ from rlops.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_allowed_adapter_fil
 
 SHA256_HEX_LENGTH = 64
 SAFETENSORS_HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own cap on the JSON header
+SERVED_DTYPES = frozenset({"F32", "F16", "BF16"})  # what vLLM casts to the base's dtype when it loads a LoRA
+# Qwen3-VL's vision tower and connector (vLLM's `get_mm_mapping`): LoRA there is applied only with
+# `enable_tower_connector_lora`; without it vLLM loads the adapter and silently serves it without them.
+TOWER_PREFIX = "visual"
 
 
 class InvalidAdapter(ValueError):
@@ -25,6 +29,7 @@ class AdapterPolicy:
     max_rank: int
     base_models: frozenset[str]
     target_modules: frozenset[str]
+    tower_connector_lora: bool = False
 
 
 def copy_order(names: Iterable[str]) -> list[str]:
@@ -91,8 +96,9 @@ def safetensors_header_length(prefix: bytes) -> int:
     return length
 
 
-def check_safetensors_header(header: bytes, rank: int) -> None:
-    """LoRA tensors only (lora_A/lora_B), none wider than the declared rank."""
+def check_safetensors_header(header: bytes, rank: int, policy: AdapterPolicy) -> None:
+    """LoRA tensors only (lora_A/lora_B) in a dtype the engine loads, none wider than the declared rank, and
+    none on the vision tower/connector unless the engine is configured to apply them."""
     try:
         tensors = json.loads(header)
     except (UnicodeDecodeError, ValueError):
@@ -100,6 +106,7 @@ def check_safetensors_header(header: bytes, rank: int) -> None:
     tensors = {k: v for k, v in tensors.items() if k != "__metadata__"} if isinstance(tensors, dict) else {}
     if not tensors:
         raise InvalidAdapter(f"{ADAPTER_WEIGHTS} holds no tensors")
+    tower_modules: set[str] = set()
     for name, info in tensors.items():
         parts = name.split(".")
         shape = info.get("shape") if isinstance(info, dict) else None
@@ -111,6 +118,22 @@ def check_safetensors_header(header: bytes, rank: int) -> None:
             raise InvalidAdapter(f"{ADAPTER_WEIGHTS} holds a non-LoRA tensor {name!r}")
         if not isinstance(inner, int) or inner > rank:
             raise InvalidAdapter(f"tensor {name!r} has rank {inner}, above the declared rank {rank}")
+        dtype = info.get("dtype")
+        if dtype not in SERVED_DTYPES:
+            raise InvalidAdapter(f"tensor {name!r} is {dtype}; the engine loads LoRA weights in "
+                                 f"{', '.join(sorted(SERVED_DTYPES))}")
+        if TOWER_PREFIX in parts:
+            tower_modules.add(_module_pattern(parts))
+    if tower_modules and not policy.tower_connector_lora:
+        raise InvalidAdapter(f"LoRA weights on the vision tower/connector ({', '.join(sorted(tower_modules))}) are "
+                             "applied by vLLM only with serving.enable_tower_connector_lora: true; without it they "
+                             "would be silently dropped")
+
+
+def _module_pattern(parts: list[str]) -> str:
+    """`...model.visual.blocks.3.attn.qkv.lora_A.weight` -> `visual.blocks.*.attn.qkv` (one name per module kind)."""
+    module = parts[parts.index(TOWER_PREFIX):next(i for i, p in enumerate(parts) if p in ("lora_A", "lora_B"))]
+    return ".".join("*" if p.isdigit() else p for p in module)
 
 
 def _is_sha256(value: str) -> bool:

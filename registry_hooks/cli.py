@@ -4,10 +4,12 @@
   promote rollback MODEL [--alias production]    promote list [MODEL]      promote status
   promote sync [MODEL]                           promote gc [--dry-run]
   promote retire MODEL [--dry-run]               (the only way a model's routes are unpublished)
+  promote verify MODEL [--alias A | --version N] [--endpoint URL]
 
 Exit codes: 0 done; 1 error (MLflow/S3 unreachable, ...); 2 usage; 3 unknown model/version/alias;
 4 refused (invalid adapter, or the eval guardrail without --force); 5 sync did not converge;
-6 `status` found drift (registry intent != served manifest) or refusals.
+6 `status` found drift (registry intent != served manifest) or refusals; 7 `verify` found served answers
+that differ from the tracked eval.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from registry_hooks.sync import PromotionError, SyncReport, sync_model
 from rlops.config import Config, ConfigError, load_config
 
 EXIT_DRIFT = 6
+EXIT_PARITY = 7
 
 
 class PromoteGroup(click.Group):
@@ -262,3 +265,32 @@ def gc_command(ctx, dry_run, as_json) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+@main.command("verify")
+@click.argument("model")
+@click.option("--alias", help="Served alias to check (default: registry.default_alias unless --version).")
+@click.option("--version", type=click.IntRange(min=1), help="Check this version, pinned as @v<N>.")
+@click.option("--endpoint", help="OpenAI endpoint (default: http://<serving.host>:<serving.port>).")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def verify_command(ctx, model, alias, version, endpoint, as_json) -> None:
+    """Send the version's fixed eval set through the endpoint (greedy) and compare with the tracked eval."""
+    from registry_hooks.parity import verify_served
+
+    config = _config(ctx)
+    if alias is None and version is None:
+        alias = config.registry.default_alias
+    key_env = config.serving.api_keys_env
+    api_key = (os.environ.get(key_env, "").split(",")[0].strip() or None) if key_env else None
+    with handled(as_json):
+        report = verify_served(config, model, alias=alias, version=version, api_key=api_key,
+                               endpoint=endpoint or f"http://{config.serving.host}:{config.serving.port}")
+    if as_json:
+        click.echo(json.dumps(report.to_dict()))
+    else:
+        click.echo(f"{report.served_name} (v{report.version}) on {report.data_source}: served {report.served:.4f}, "
+                   f"tracked {report.tracked:.4f}; {report.matching}/{report.mazes} mazes agree"
+                   + (f"; differing seeds: {', '.join(map(str, report.differing))}" if report.differing else ""))
+    if report.differing:
+        sys.exit(EXIT_PARITY)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Callable
@@ -11,7 +13,16 @@ from botocore.exceptions import ClientError
 from pydantic import ValidationError
 from boto3.s3.transfer import TransferConfig
 
-from rlops.layout import ADAPTER_CONFIG, RoutesManifest, S3Location, model_from_routes_key, routes_key, routes_prefix
+from rlops.layout import (
+    ADAPTER_CONFIG,
+    RoutesManifest,
+    S3Location,
+    routes_key,
+    routes_stamp_key,
+    utc_now,
+)
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[int], None]
 CHUNK = 8 * 1024 * 1024
@@ -158,21 +169,22 @@ def write_manifest(client, location: S3Location, manifest: RoutesManifest, etag:
         if code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
             raise ManifestConflict(f"manifest of {manifest.model} changed concurrently") from None
         raise
+    stamp_routes(client, location)
     return response["ETag"]
 
 
 def delete_manifest(client, location: S3Location, model: str) -> None:
     client.delete_object(Bucket=location.bucket, Key=routes_key(location, model))
+    stamp_routes(client, location)
 
 
-def list_manifest_models(client, location: S3Location) -> list[str]:
-    models = []
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=location.bucket, Prefix=routes_prefix(location)):
-        for obj in page.get("Contents", []):
-            model = model_from_routes_key(location, obj["Key"])
-            if model is not None:
-                models.append(model)
-    return models
+def stamp_routes(client, location: S3Location) -> None:
+    """Tell readers that `_routes/` changed (after the change, so a reader that sees the stamp sees the change).
+    Best effort: the manifest is already published, and readers relist in full every few seconds anyway."""
+    try:
+        client.put_object(Bucket=location.bucket, Key=routes_stamp_key(location), Body=f"{utc_now()} {uuid.uuid4().hex}".encode())
+    except Exception as exc:  # noqa: BLE001
+        log.warning("routes stamp not written (%s): serving sees the change at its next full listing", type(exc).__name__)
 
 
 # ------------------------------------------------------------------------------------------ reconciler status

@@ -158,6 +158,7 @@ def adapter_policy(config: Config) -> AdapterPolicy:
         max_rank=config.serving.max_lora_rank,
         base_models=frozenset([config.base_model_source, *config.registry.accepted_base_models]),
         target_modules=frozenset(config.registry.allowed_target_modules),
+        tower_connector_lora=config.serving.enable_tower_connector_lora,
     )
 
 
@@ -208,7 +209,7 @@ class Promoter:
         head = files.read_range(ADAPTER_WEIGHTS, 0, HEADER_PROBE_BYTES)  # one request for most headers
         length = safetensors_header_length(head[:8])
         header = head[8:8 + length] if len(head) >= 8 + length else files.read_range(ADAPTER_WEIGHTS, 8, length)
-        check_safetensors_header(header, rank)
+        check_safetensors_header(header, rank, self.policy)
         return {name: source.checksums[name] for name in files.sizes}
 
     @contextmanager

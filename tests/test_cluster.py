@@ -284,7 +284,7 @@ def test_cluster_config_is_valid_and_external(tmp_path):
     config = load_config(_cluster_config_file(tmp_path), environ={})
     assert not config.server.managed and not config.storage.managed
     assert config.tracking_uri == "http://mlflow.rlops.svc:5000"
-    assert config.lora_path.startswith("s3://") and config.serving.engine == "vllm"
+    assert config.lora_path.startswith("s3://") and config.serving.accelerator == "gpu"
 
 
 def _cluster_config_file(directory: Path) -> Path:

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
@@ -71,6 +72,18 @@ def test_demo_fast_runs_the_whole_loop(stack, tmp_path, unique_name):
         assert raw.headers["x-rlops-model-version"] == production.version
         assert raw.parse().model == f"visgym-qwen3vl:{model}"
         assert summary["served_version"] == production.version
+        # Parity: the served greedy answers on the fixed eval set agree with the tracked eval (fp32).
+        parity = summary["parity"]
+        assert parity["version"] == int(production.version) and parity["mazes"] == 64 and parity["matching"] >= 63
+        verify = subprocess.run([str(Path(sys.executable).parent / "promote"), "verify", model, "--json"], env=env,
+                                capture_output=True, text=True, timeout=300)
+        report = json.loads(verify.stdout.strip().splitlines()[-1])
+        assert verify.returncode == (0 if report["matching"] == report["mazes"] else 7), verify.stderr
+        assert report["served_solve_rate"] == parity["served_solve_rate"]
+        logged = client.get_logged_model(production.model_id or production.source.removeprefix("models:/"))
+        assert any(m.key == f"served/{parity['data_source']}/avg_score" for m in logged.metrics or [])
+        assert client.get_model_version(model, production.version).tags["rlops.served_parity"] == \
+            f"{report['matching']}/{report['mazes']}"
         print(f"rlops demo --fast took {elapsed:.0f} s; stages: {summary['stages']}")
 
         # A re-run reuses the stack and the endpoint: a new run and version, served without a restart.

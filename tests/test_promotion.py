@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from registry_hooks import NotFound, sync_model
 from registry_hooks.sync import Promoter
@@ -134,7 +135,12 @@ BAD_ADAPTERS = {
     "wrong base": dict(config_overrides={"base_model_name_or_path": "meta-llama/Llama-3-8B"}),
     "unknown target module": dict(config_overrides={"target_modules": ["model.layers.0.self_attn.q_proj", "lm_head_x"]}),
     "pickle file": dict(extra_files={"training_args.bin": b"\x80\x04pickle"}),
+    "vision tower weights": dict(extra_tensors={f"base_model.model.model.visual.blocks.0.attn.qkv.lora_{ab}.weight":
+                                                torch.zeros(shape) for ab, shape in (("A", (8, 32)), ("B", (96, 8)))}),
 }
+# What the refusal must say, where the issue asks for a specific message.
+REFUSAL_REASONS = {"vision tower weights": "vision tower/connector (visual.blocks.*.attn.qkv) are applied by vLLM "
+                                           "only with serving.enable_tower_connector_lora: true"}
 
 
 @pytest.mark.parametrize("kind", [*BAD_ADAPTERS, "checksum mismatch"])
@@ -154,7 +160,7 @@ def test_refused_adapter_keeps_previous_target(stack, test_config, mlflow_client
     manifest = assert_manifest_consistent(stack, test_config)
     assert manifest.aliases["production"].version == v1 and report.served == {"production": v1}
     refusal = manifest.refused["production"]
-    assert refusal.version == v2 and refusal.reason
+    assert refusal.version == v2 and refusal.reason and REFUSAL_REASONS.get(kind, "") in refusal.reason
     assert mlflow_client.get_model_version(model, str(v2)).tags["serving.refused"] == refusal.reason
     assert ADAPTER_CONFIG not in folder_objects(stack, test_config, version_folder(model, v2))
     again = sync_model(test_config, model, trigger="test")  # the refusal is stable, not re-copied each time

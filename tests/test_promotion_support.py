@@ -39,7 +39,8 @@ def sha256_file(path: Path) -> str:
 
 
 def write_adapter(lora_template, out: Path, config: Config, *, seed: int = 1, padding_mb: int = 0,
-                  config_overrides: dict | None = None, extra_files: dict[str, bytes] | None = None) -> Path:
+                  config_overrides: dict | None = None, extra_files: dict[str, bytes] | None = None,
+                  extra_tensors: dict | None = None) -> Path:
     """An adapter folder distinct per seed; `padding_mb` adds a LoRA tensor to reach a size."""
     import torch
     from safetensors.torch import save_file
@@ -49,6 +50,7 @@ def write_adapter(lora_template, out: Path, config: Config, *, seed: int = 1, pa
     if padding_mb:
         cols = padding_mb * 1024 * 1024 // (4 * RANK)
         tensors["base_model.model.padding.lora_A.weight"] = torch.full((RANK, cols), float(seed))
+    tensors.update(extra_tensors or {})
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / ADAPTER_WEIGHTS))
     data = {**adapter_config, "base_model_name_or_path": config.base_model_source, **(config_overrides or {})}

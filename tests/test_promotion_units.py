@@ -78,14 +78,29 @@ def test_adapter_checks():
 
 
 def test_safetensors_header_checks():
-    header = json.dumps({"a.lora_A.weight": {"shape": [8, 32]}, "a.lora_B.weight": {"shape": [32, 8]},
+    header = json.dumps({"a.lora_A.weight": {"shape": [8, 32], "dtype": "F32"},
+                         "a.lora_B.weight": {"shape": [32, 8], "dtype": "BF16"},
                          "__metadata__": {"format": "pt"}}).encode()
     assert safetensors_header_length(struct.pack("<Q", len(header))) == len(header)
-    check_safetensors_header(header, rank=8)
+    check_safetensors_header(header, 8, POLICY)
     with pytest.raises(InvalidAdapter, match="above the declared rank"):
-        check_safetensors_header(header, rank=4)
+        check_safetensors_header(header, 4, POLICY)
     with pytest.raises(InvalidAdapter, match="non-LoRA tensor"):
-        check_safetensors_header(json.dumps({"model.embed.weight": {"shape": [4, 4]}}).encode(), rank=8)
+        check_safetensors_header(json.dumps({"model.embed.weight": {"shape": [4, 4], "dtype": "F32"}}).encode(), 8, POLICY)
+    with pytest.raises(InvalidAdapter, match="'a.lora_A.weight' is F64; the engine loads LoRA weights in BF16, F16, F32"):
+        check_safetensors_header(json.dumps({"a.lora_A.weight": {"shape": [8, 32], "dtype": "F64"}}).encode(), 8, POLICY)
+
+
+def test_vision_tower_weights_need_tower_lora_in_the_engine():
+    tensors = {f"base_model.model.model.visual.{module}.lora_{ab}.weight": {"shape": [8, 8], "dtype": "F32"}
+               for module in ("blocks.0.attn.qkv", "blocks.1.attn.qkv", "merger.linear_fc1") for ab in "AB"}
+    tensors["base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight"] = {"shape": [8, 8], "dtype": "F32"}
+    header = json.dumps(tensors).encode()
+    with pytest.raises(InvalidAdapter, match=r"vision tower/connector \(visual\.blocks\.\*\.attn\.qkv, "
+                                             r"visual\.merger\.linear_fc1\) .*enable_tower_connector_lora"):
+        check_safetensors_header(header, 8, POLICY)
+    check_safetensors_header(header, 8, AdapterPolicy(POLICY.max_rank, POLICY.base_models, POLICY.target_modules,
+                                                      tower_connector_lora=True))
     with pytest.raises(InvalidAdapter, match="not a safetensors"):
         safetensors_header_length(struct.pack("<Q", 1 << 40))
 

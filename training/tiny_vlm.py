@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlops.vlm import MazeVLProcessor
-
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>",
     "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
@@ -59,29 +57,34 @@ def build_tokenizer():
     )
 
 
-def build_processor() -> MazeVLProcessor:
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+def build_processor():
+    """The stock Qwen3-VL processor (vLLM loads it from the folder), with the tiny image size."""
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-    image_processor = Qwen2VLImageProcessorPil(
+    image_processor = Qwen2VLImageProcessor(
         patch_size=16, temporal_patch_size=2, merge_size=2,
         min_pixels=32 * 32, max_pixels=IMAGE_SIDE_PX * IMAGE_SIDE_PX,
         image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
     )
-    return MazeVLProcessor(image_processor=image_processor, tokenizer=build_tokenizer(), chat_template=CHAT_TEMPLATE)
+    video_processor = Qwen3VLVideoProcessor(patch_size=16, temporal_patch_size=2, merge_size=2)
+    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=build_tokenizer(),
+                            video_processor=video_processor, chat_template=CHAT_TEMPLATE)
 
 
 def tiny_config(tokenizer):
     from transformers import Qwen3VLConfig
 
     ids = tokenizer.convert_tokens_to_ids
-    head_dim = 16
+    head_dim = 32  # vLLM's CPU attention takes head sizes 32, 64, 80, ...
     return Qwen3VLConfig(
         text_config=dict(
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=1024,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, max_position_embeddings=1024,
             # M-RoPE splits head_dim/2 frequencies over (time, height, width).
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                             "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+                             "mrope_section": [8, 4, 4], "mrope_interleaved": True},
             pad_token_id=tokenizer.pad_token_id,
         ),
         vision_config=dict(

@@ -26,7 +26,7 @@ def serve_command(obj: CliContext, print_config: bool) -> None:
         url = f"http://{config.serving.host}:{config.serving.port}/v1"
         record_current_process(config.data_path, "serve", urls={"openai": url})
         click.echo(f"serving {config.serving.base_model_id} at {url} (adapters from {config.lora_path})")
-        serving.run(config, os.environ)
+        serving.run(config, os.environ, on_ready=lambda: click.echo(f"ready: {url} answers (vLLM replica loaded)"))
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     finally:

@@ -1,0 +1,126 @@
+"""`promote verify`: does the endpoint serve what the tracker measured? The version's fixed eval set goes
+through the running endpoint under its alias name, greedy, and the served solve rate is compared maze by
+maze with the per-maze table the tracker logged for that checkpoint. The served figure is logged to the
+version's LoggedModel (`served/<data_source>/avg_score`) and the differing mazes are reported.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from registry_hooks import registry
+from registry_hooks.sync import NotFound, PromotionError
+from rlops.config import Config
+from rlops.layout import EVAL_TABLE_DIR, TAG_STEP
+
+SERVED_METRIC = "served/{data_source}/avg_score"
+REQUEST_WORKERS = 4
+
+
+@dataclass
+class ParityReport:
+    model: str
+    version: int
+    served_name: str
+    data_source: str
+    tracked: float
+    served: float
+    mazes: int
+    differing: list[int] = field(default_factory=list)  # seeds whose solved/unsolved outcome differs
+
+    @property
+    def matching(self) -> int:
+        return self.mazes - len(self.differing)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "version": self.version, "served_name": self.served_name,
+                "data_source": self.data_source, "tracked_solve_rate": self.tracked, "served_solve_rate": self.served,
+                "mazes": self.mazes, "matching": self.matching, "differing_seeds": self.differing}
+
+
+def compare(tracked: dict[int, bool], served: dict[int, bool]) -> list[int]:
+    """Seeds whose outcome differs (a seed missing on either side counts as differing)."""
+    return sorted(seed for seed in tracked.keys() | served.keys() if tracked.get(seed) != served.get(seed))
+
+
+def tracked_rows(client, run_id: str, data_source: str, step: int) -> dict[int, bool]:
+    """seed -> solved, from the tracker's per-maze table of `data_source` at `step`."""
+    path = f"{EVAL_TABLE_DIR}/{data_source}/step_{step:06d}.json"
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            local = client.download_artifacts(run_id, path, tmp)
+        except Exception:  # noqa: BLE001 - MLflow raises several types for a missing artifact
+            raise NotFound(f"the run {run_id} has no eval table {path}: the checkpoint was not evaluated on "
+                           f"{data_source}") from None
+        table = json.loads(Path(local).read_text())
+    columns = table["columns"]
+    seed, solved = columns.index("seed"), columns.index("solved")
+    return {int(row[seed]): bool(row[solved]) for row in table["data"]}
+
+
+def verify_served(config: Config, model: str, *, alias: str | None, version: int | None, endpoint: str,
+                  api_key: str | None, ask: Callable[[str, str, object], str] | None = None) -> ParityReport:
+    """Run the fixed eval set of `model`'s version (at `alias`, or `version` pinned as `@v<N>`) through
+    `endpoint` and compare with the tracked table; log the served figure on the LoggedModel."""
+    from training import datasets as ds
+    from training.maze import render, walk_answer
+    from training.skyrl_env import image_data_url
+
+    client = registry.mlflow_client(config)
+    if (alias is None) == (version is None):
+        raise PromotionError("give exactly one of alias or version")
+    if alias is not None:
+        try:
+            version = int(client.get_model_version_by_alias(model, alias).version)
+        except Exception:  # noqa: BLE001
+            raise NotFound(f"{model} has no alias {alias!r}") from None
+        served_name = f"{config.serving.base_model_id}:{model}@{alias}"
+    else:
+        served_name = f"{config.serving.base_model_id}:{model}@v{version}"
+    try:
+        registered = client.get_model_version(model, str(version))
+    except Exception:  # noqa: BLE001
+        raise NotFound(f"version {version} of registered model {model!r} does not exist") from None
+    model_id = registered.model_id or registered.source.removeprefix("models:/")
+    logged = client.get_logged_model(model_id)
+    if TAG_STEP not in logged.tags:
+        raise NotFound(f"version {version} was not logged by the tracker (its LoggedModel has no {TAG_STEP} tag)")
+    step = int(logged.tags[TAG_STEP])
+    maze_set = ds.local_eval_set(config.training.local.eval_size)
+    tracked = tracked_rows(client, logged.source_run_id, maze_set.data_source, step)
+    mazes = [m for m in maze_set.mazes() if m.seed in tracked]
+    ask = ask or _chat(endpoint, api_key)
+    max_tokens = config.training.local.max_completion_tokens
+    with ThreadPoolExecutor(REQUEST_WORKERS) as pool:
+        answers = list(pool.map(lambda m: ask(served_name, image_data_url(render(m)), max_tokens), mazes))
+    served = {m.seed: walk_answer(m, a).solved for m, a in zip(mazes, answers)}
+    report = ParityReport(model, version, served_name, maze_set.data_source,
+                          tracked=sum(tracked.values()) / len(tracked), served=sum(served.values()) / len(served),
+                          mazes=len(tracked), differing=compare(tracked, served))
+    client.log_metric(logged.source_run_id, SERVED_METRIC.format(data_source=maze_set.data_source), report.served,
+                      step=step, model_id=model_id)
+    client.set_model_version_tag(model, str(version), "rlops.served_parity", f"{report.matching}/{report.mazes}")
+    return report
+
+
+def _chat(endpoint: str, api_key: str | None) -> Callable[[str, str, int], str]:
+    import httpx
+
+    from training import datasets as ds
+
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def ask(model: str, image_url: str, max_tokens: int) -> str:
+        body = {"model": model, "temperature": 0, "max_tokens": max_tokens, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": ds.LOCAL_PROMPT}]}]}
+        response = httpx.post(f"{endpoint.rstrip('/')}/v1/chat/completions", json=body, headers=headers, timeout=120)
+        if response.status_code != 200:
+            raise PromotionError(f"the endpoint answered {response.status_code} for {model}: "
+                                 f"{response.json().get('error', {}).get('message', response.text[:200])}")
+        return response.json()["choices"][0]["message"]["content"] or ""
+
+    return ask
