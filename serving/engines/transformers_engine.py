@@ -136,15 +136,13 @@ class TransformersEngine(TextGenerationEngine):
 
     def _load_base(self) -> None:
         import torch
-        from transformers import AutoModelForImageTextToText
-
-        from rlops.vlm import load_processor
+        from transformers import AutoModelForImageTextToText, AutoProcessor
 
         if self.torch_threads:
             torch.set_num_threads(int(self.torch_threads))
         if not self.source:
             raise RuntimeError("model_loading_config.model_source is not set")
-        self.processor = load_processor(self.source)
+        self.processor = AutoProcessor.from_pretrained(str(self.source))
         self.model = AutoModelForImageTextToText.from_pretrained(str(self.source), dtype=torch.float32).eval()
         log.info("engine ready: base %s", self.model_id)
 
