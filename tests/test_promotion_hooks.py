@@ -169,8 +169,17 @@ def test_reconciler_alone_converges_with_receiver_off(stack, test_config, mlflow
         mlflow_client.transition_model_version_stage(model, str(v2), "Production")
     assert wait_for(lambda: served(stack, cfg) == v2, 10), "legacy stage not followed"
 
-    health = httpx.get(f"{url}/healthz").json()
-    assert health["status"] == "ok" and health["reconciler"]["last_error"] is None and health["reconciler"]["runs"] >= 2
+    # Converged, the next pass has nothing to do: it syncs nothing and says how long it took.
+    def settled():
+        health = httpx.get(f"{url}/healthz").json()
+        last_pass = health["reconciler"]["last_pass"]
+        return health if health["reconciler"]["runs"] >= 2 and last_pass and last_pass["models_synced"] == 0 else None
+
+    health = wait_for(settled, 10)
+    assert health and health["status"] == "ok" and health["reconciler"]["last_error"] is None
+    last_pass = health["reconciler"]["last_pass"]
+    assert last_pass["models_seen"] == last_pass["models_registered"] == 1 and last_pass["behind_s"] == 0
+    assert 0 < last_pass["seconds"] < 1 and last_pass["interval_s"] == 1 and health["reconciler"]["pass_error"] is None
     state = operations.status(cfg)
     assert state["in_sync"] and state["reconciler"]["last_run_at"] and not state["reconciler"]["stale"]
 
