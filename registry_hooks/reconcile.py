@@ -59,12 +59,13 @@ class ManifestCache:
 
 
 def _fetch(promoter: Promoter, model: str, listed_etag: str) -> tuple[str, RoutesManifest, str | None]:
+    """Held under the listed ETag: what was read is at least that new, and if it changed since the listing,
+    the next listing differs and it is read again (GET and listing ETags may be quoted differently)."""
     try:
-        manifest, etag = storage.read_manifest(promoter.dest, promoter.location, model)
+        manifest, _ = storage.read_manifest(promoter.dest, promoter.location, model)
     except ValidationError as exc:
         return listed_etag, RoutesManifest(model=model), f"invalid routes manifest: {exc.error_count()} schema errors"
-    # Deleted since the listing: etag None, never equal to a listed ETag, so the next refresh looks again.
-    return etag or "", manifest, None
+    return listed_etag, manifest, None
 
 
 def read_states(promoter: Promoter, models: list[str], cache: ManifestCache, pool: ThreadPoolExecutor) -> tuple[list[ModelState], int]:
