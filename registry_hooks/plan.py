@@ -96,6 +96,15 @@ def drift(intent: Intent, manifest: RoutesManifest) -> list[Drift]:
     return out
 
 
+def needs_sync(intent: Intent, manifest: RoutesManifest) -> bool:
+    """Whether a sync could change `manifest`: an alias differs from the intent without a refusal of that
+    very version on record, or a refusal is recorded for a version the alias no longer points at.
+    (A refusal stays sticky, as in the sync itself: only moving the alias or a `promote` retries it.)"""
+    if any(intent.get(alias) != refusal.version for alias, refusal in manifest.refused.items()):
+        return True
+    return any(d.refused_reason is None for d in drift(intent, manifest))
+
+
 def parse_time(stamp: str) -> datetime:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
 

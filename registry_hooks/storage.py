@@ -180,13 +180,14 @@ def stamp_routes(client, location: S3Location) -> None:
         log.warning("routes stamp not written (%s): serving sees the change at its next full listing", type(exc).__name__)
 
 
-def list_manifest_models(client, location: S3Location) -> list[str]:
-    models = []
+def list_manifest_models(client, location: S3Location) -> dict[str, str]:
+    """Model -> ETag of every published manifest, from one listing of `_routes/` (1000 keys a request)."""
+    models = {}
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=location.bucket, Prefix=routes_prefix(location)):
         for obj in page.get("Contents", []):
             model = model_from_routes_key(location, obj["Key"])
             if model is not None:
-                models.append(model)
+                models[model] = obj.get("ETag", "")
     return models
 
 

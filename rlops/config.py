@@ -253,6 +253,9 @@ class HooksConfig(_Section):
     secret: str | None = Field(None, description="HMAC secret shared with MLflow; set RLOPS_HOOKS__SECRET, never the file")
     webhook_enabled: bool = True
     reconcile_interval_s: float = Field(30.0, ge=0, description="0 turns the reconciler loop off")
+    reconcile_concurrency: int = Field(
+        8, ge=1, le=64, description="syncs (and bulk registry/S3 reads) a reconciler pass, `promote status` "
+        "and `promote list` run at once")
     timestamp_tolerance_s: float = Field(300.0, gt=0, description="older or future-dated deliveries get 401")
 
 
