@@ -30,15 +30,14 @@ PNG = Path(__file__).with_name("local_training.png")
 
 def evaluate_model(model_dir: Path, adapter_dir: Path | None, maze_sets, local) -> dict:
     from peft import PeftModel
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from rlops.vlm import load_processor
     from training.local_trainer import evaluate
 
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir))
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(adapter_dir))
-    processor = load_processor(model_dir)
+    processor = AutoProcessor.from_pretrained(str(model_dir))
     return {s.data_source: evaluate(model, processor, s, local.max_completion_tokens, local.eval_samples, local.temperature)
             for s in maze_sets}
 

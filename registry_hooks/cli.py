@@ -237,7 +237,13 @@ def status_command(ctx, as_json) -> None:
             click.echo("reconciler: no heartbeat (is `rlops hooks serve` running?)")
         else:
             health = "STALE" if rec.get("stale") else "ok"
-            click.echo(f"reconciler: {health}, last run {rec['last_run_at']}, last error: {rec.get('last_error') or 'none'}")
+            click.echo(f"reconciler: {health}, last sync {rec['last_run_at'] or 'none yet'}, "
+                       f"last error: {rec.get('last_error') or rec.get('pass_error') or 'none'}")
+            if rec.get("last_pass"):
+                p = rec["last_pass"]
+                click.echo(f"  last pass {p['finished_at']}: {p['seconds']:.2f} s, {p['models_seen']} models seen, "
+                           f"{p['models_synced']} synced ({p['sync_failures']} failed), "
+                           f"{p['behind_s']:.1f} s behind the {p['interval_s']:g} s interval")
     sys.exit(EXIT_DRIFT if troubled else 0)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Callable
@@ -10,6 +11,7 @@ from typing import Callable
 from registry_hooks import registry, storage
 from registry_hooks.adapter import InvalidAdapter
 from registry_hooks.plan import drift, parse_time, referenced_folders, rollback_target
+from registry_hooks.reconcile import ManifestCache, ModelState, read_states
 from registry_hooks.sync import NotFound, Promoter, PromotionError, Refused, SyncConflict, SyncReport
 from rlops.config import Config
 from rlops.layout import Collected, RoutesManifest, is_valid_alias, is_valid_name, utc_now, version_folder
@@ -115,18 +117,31 @@ def rollback(config: Config, model: str, *, alias: str | None = None, actor: str
                        override=override)
 
 
+def _bulk_states(config: Config, promoter: Promoter, models: list[str]) -> list[ModelState]:
+    with ThreadPoolExecutor(max_workers=config.hooks.reconcile_concurrency) as pool:
+        return read_states(promoter, models, ManifestCache(), pool)[0]
+
+
 def list_models(config: Config, model: str | None = None) -> list[dict]:
     """Per configured model: served aliases (registry vs manifest) and versions with metric and folder."""
     promoter = Promoter(config)
     models = [model] if model else config.registry.models
-    out = []
     for name in models:
         promoter.check_model(name)
-        _lookup(registry.require_model, promoter.mlflow, name)
-        intent = registry.read_intent(promoter.mlflow, name, config.registry.served_aliases) or {}
-        manifest, _ = storage.read_manifest(promoter.dest, promoter.location, name)
+    states = _bulk_states(config, promoter, models)
+    missing = [s.model for s in states if s.intent is None]
+    if missing:
+        raise NotFound(f"registered model {missing[0]!r} does not exist in {config.tracking_uri}"
+                       + (f" (nor {len(missing) - 1} more configured models)" if len(missing) > 1 else ""))
+    versions_of: dict[str, list] = {name: [] for name in models}
+    for name_filter in registry.name_filters(models):
+        for mv in registry.search_versions(promoter.mlflow, name_filter):
+            versions_of[mv.name].append(mv)
+    out = []
+    for state in states:
+        intent, manifest = state.intent or {}, state.manifest
         versions = []
-        for mv in sorted(registry.list_versions(promoter.mlflow, name), key=lambda v: int(v.version)):
+        for mv in sorted(versions_of[state.model], key=lambda v: int(v.version)):
             tags = mv.tags or {}
             versions.append({
                 "version": int(mv.version), "aliases": sorted(a for a, v in intent.items() if v == int(mv.version)),
@@ -139,7 +154,7 @@ def list_models(config: Config, model: str | None = None) -> list[dict]:
                     "folder": manifest.aliases[alias].folder if alias in manifest.aliases else None}
             for alias in config.registry.served_aliases
         }
-        out.append({"model": name, "generation": manifest.generation, "aliases": aliases, "versions": versions})
+        out.append({"model": state.model, "generation": manifest.generation, "aliases": aliases, "versions": versions})
     return out
 
 
@@ -148,21 +163,21 @@ def status(config: Config, now: datetime | None = None) -> dict:
     promoter = Promoter(config)
     now = now or datetime.now(timezone.utc)
     models = []
-    for name in config.registry.models:
-        intent = registry.read_intent(promoter.mlflow, name, config.registry.served_aliases)
-        manifest, _ = storage.read_manifest(promoter.dest, promoter.location, name)
-        drifts = drift(intent or {}, manifest)
+    for state in _bulk_states(config, promoter, config.registry.models):
+        manifest = state.manifest
+        drifts = [d.describe() for d in drift(state.intent or {}, manifest)]
         models.append({
-            "model": name, "registered": intent is not None, "generation": manifest.generation,
+            "model": state.model, "registered": state.intent is not None, "generation": manifest.generation,
             "updated_at": manifest.updated_at if manifest.generation else None,
-            "intent": intent or {}, "served": {a: r.version for a, r in manifest.aliases.items()},
-            "drift": [d.describe() for d in drifts],
+            "intent": state.intent or {}, "served": {a: r.version for a, r in manifest.aliases.items()},
+            "drift": drifts + ([state.invalid] if state.invalid else []),
             "refused": {a: {"version": r.version, "reason": r.reason} for a, r in manifest.refused.items()},
         })
     reconciler = storage.read_status(promoter.dest, promoter.location, RECONCILER_STATUS)
     if reconciler is not None and config.hooks.reconcile_interval_s > 0:
-        age = (now - parse_time(reconciler["last_run_at"])).total_seconds()
-        reconciler["stale"] = age > 3 * config.hooks.reconcile_interval_s + 60
+        # A pass with nothing to do runs no sync: its end, not the last sync, is the heartbeat.
+        last = (reconciler.get("last_pass") or {}).get("finished_at") or reconciler.get("last_run_at")
+        reconciler["stale"] = last is None or (now - parse_time(last)).total_seconds() > 3 * config.hooks.reconcile_interval_s + 60
     return {"in_sync": all(not m["drift"] for m in models), "models": models, "reconciler": reconciler}
 
 

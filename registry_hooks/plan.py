@@ -134,6 +134,18 @@ def drift(intent: Intent, manifest: RoutesManifest) -> list[Drift]:
     return out
 
 
+def needs_sync(intent: Intent, manifest: RoutesManifest) -> bool:
+    """Whether a sync could change `manifest`: an alias differs from the intent without a refusal of that
+    very version on record, or a refusal is recorded for a version the alias no longer points at.
+    (An adapter refusal stays sticky, as in the sync itself: only moving the alias or a `promote` retries
+    it. A guardrail or collecting one is re-checked each pass: a rlops.force tag or an expired gc lease
+    changes the outcome without moving the alias.)"""
+    if any(intent.get(alias) != refusal.version or refusal.kind != "adapter"
+           for alias, refusal in manifest.refused.items()):
+        return True
+    return any(d.refused_reason is None for d in drift(intent, manifest))
+
+
 def parse_time(stamp: str) -> datetime:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
 

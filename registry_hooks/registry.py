@@ -25,6 +25,10 @@ PROMOTED_AT_TAG = "serving.promoted_at"
 PROMOTED_BY_TAG = "serving.promoted_by"
 TRIGGER_TAG = "serving.trigger"
 REFUSED_TAG = "serving.refused"
+# Bulk reads: the server's max_results limit for registered models (1000), a version page, a filter's length.
+SEARCH_PAGE = 1000
+VERSIONS_PAGE = 10_000
+FILTER_CHARS = 6000
 
 
 class RegistryNotFound(LookupError):
@@ -55,22 +59,68 @@ def _not_found(exc: MlflowException) -> bool:
 
 
 def read_intent(client: MlflowClient, model: str, served_aliases: list[str]) -> dict[str, int] | None:
-    """Served alias -> version for `model`; None when the registered model does not exist.
-
-    A legacy stage "Production" counts as the `production` alias only when that alias is not set.
-    """
+    """Served alias -> version for `model`; None when the registered model does not exist."""
     try:
         registered = client.get_registered_model(model)
     except MlflowException as exc:
         if _not_found(exc):
             return None
         raise
+    return intent_of(registered, served_aliases)
+
+
+def intent_of(registered, served_aliases: list[str]) -> dict[str, int]:
+    """Served alias -> version of one RegisteredModel (as `get_` or `search_registered_models` return it).
+
+    A legacy stage "Production" counts as the `production` alias only when that alias is not set.
+    """
     intent = {alias: int(v) for alias, v in registered.aliases.items() if alias in served_aliases}
     if LEGACY_PRODUCTION_ALIAS in served_aliases and LEGACY_PRODUCTION_ALIAS not in intent:
         staged = [int(mv.version) for mv in registered.latest_versions or [] if mv.current_stage == LEGACY_PRODUCTION_STAGE]
         if staged:
             intent[LEGACY_PRODUCTION_ALIAS] = max(staged)
     return intent
+
+
+def name_filters(models: list[str]) -> list[str]:
+    """`name IN (...)` filters covering `models`, each short enough for one GET: the search filter rides in
+    the URL, and the server answers "Invalid HTTP request" to a request line of ~58 kB (28 kB passed)."""
+    filters, chunk, size = [], [], 0
+    for name in models:
+        quoted = "'" + name + "'"  # registered names cannot contain quotes (RegistryName)
+        if chunk and size + len(quoted) + 1 > FILTER_CHARS:
+            filters.append(f"name IN ({','.join(chunk)})")
+            chunk, size = [], 0
+        chunk.append(quoted)
+        size += len(quoted) + 1
+    if chunk:
+        filters.append(f"name IN ({','.join(chunk)})")
+    return filters
+
+
+def search_intents(client: MlflowClient, name_filter: str, served_aliases: list[str]) -> dict[str, dict[str, int]]:
+    """Intent of every registered model matching `name_filter`, read in pages of SEARCH_PAGE (aliases and
+    per-stage latest versions come with each model, so this costs no per-model request)."""
+    found, token = {}, None
+    while True:
+        page = client.search_registered_models(filter_string=name_filter, max_results=SEARCH_PAGE, page_token=token)
+        found.update({rm.name: intent_of(rm, served_aliases) for rm in page})
+        token = page.token
+        if not token:
+            return found
+
+
+def search_versions(client: MlflowClient, name_filter: str) -> list:
+    """Every version of the models matching `name_filter`, in pages of VERSIONS_PAGE."""
+    found, token = [], None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        while True:
+            page = client.search_model_versions(name_filter, max_results=VERSIONS_PAGE, page_token=token)
+            found.extend(page)
+            token = page.token
+            if not token:
+                return found
 
 
 def version_by_alias(client: MlflowClient, model: str, alias: str) -> int:
@@ -149,9 +199,3 @@ def set_tags(client: MlflowClient, model: str, version: int, tags: dict[str, str
 
 def set_alias(client: MlflowClient, model: str, alias: str, version: int) -> None:
     client.set_registered_model_alias(model, alias, str(version))
-
-
-def list_versions(client: MlflowClient, model: str) -> list:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return list(client.search_model_versions(f"name='{model}'"))

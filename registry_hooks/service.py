@@ -1,8 +1,10 @@
 """`rlops hooks serve`: the webhook receiver (a small ASGI app) and the reconciler loop, in one process.
 
 A webhook only says "reconcile this model"; one worker thread runs the sync for queued models (coalesced,
-so a burst of deliveries costs one sync), and the reconciler loop queues every configured model each
-`hooks.reconcile_interval_s`, so a dropped delivery or a legacy stage transition still converges.
+so a burst of deliveries costs one sync). Each `hooks.reconcile_interval_s` the reconciler loop runs a pass
+(reconcile.py): bulk reads of the registry and the manifests, then syncs, `hooks.reconcile_concurrency` at
+a time, of only the models whose manifest differs from their intent, so a dropped delivery or a legacy
+stage transition still converges and a pass with nothing to do stays cheap at 10k models.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from registry_hooks import registry, storage
+from registry_hooks.reconcile import ManifestCache, PassReport, run_pass
 from registry_hooks.operations import RECONCILER_STATUS
 from registry_hooks.sync import Promoter, SyncReport, sync_model
 from registry_hooks.webhook import (
@@ -68,10 +71,15 @@ class Reconciler:
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._promoter: Promoter | None = None  # clients for the bulk reads, made on the loop's thread
+        self._manifests = ManifestCache()
         self.last_run_at: str | None = None
         self.last_ok_at: str | None = None
         self.last_error: str | None = None
         self.runs = 0
+        self.last_pass: PassReport | None = None
+        self.pass_error: str | None = None  # why the latest pass could not read the registry or S3
+        self._count = threading.Lock()  # pass syncs run on several threads
 
     def start(self) -> None:
         self._threads = [threading.Thread(target=self._work, name="rlops-sync-worker", daemon=True)]
@@ -104,9 +112,22 @@ class Reconciler:
                 sweep_stale_runs(self.config)
             except Exception as exc:  # noqa: BLE001 - same: reported, never fatal to the loop
                 self.last_error = describe_error("sweeping stale runs", exc, self.config)
-            for model in self.config.registry.models:
-                self.request(model, "reconciler")
-            self._stop.wait(self.config.hooks.reconcile_interval_s)
+            started = time.monotonic()
+            self._pass()
+            # A fixed cadence: a pass longer than the interval is followed at once (health says how far behind).
+            self._stop.wait(max(0.0, self.config.hooks.reconcile_interval_s - (time.monotonic() - started)))
+
+    def _pass(self) -> None:
+        try:
+            if self._promoter is None:
+                self._promoter = Promoter(self.config)
+            self.last_pass = run_pass(self._promoter, self._manifests, lambda m: self._run(m, "reconciler"),
+                                      self.config.hooks.reconcile_concurrency)
+            self.pass_error = None
+        except Exception as exc:  # noqa: BLE001 - MLflow/S3 unreachable: reported, the next pass retries
+            self.pass_error = describe_error("reconciler pass", exc, self.config)
+        self.metrics.last_reconcile.set_to_current_time()
+        self._heartbeat()
 
     def _work(self) -> None:
         while not self._stop.is_set():
@@ -119,8 +140,9 @@ class Reconciler:
                 del self._pending[model]
             self._run(model, trigger)
 
-    def _run(self, model: str, trigger: str) -> None:
+    def _run(self, model: str, trigger: str) -> bool:
         started = time.monotonic()
+        ok = True
         try:
             self._sync(self.config, model, trigger=trigger, actor=f"rlops-hooks/{trigger}")
             self.metrics.syncs.labels(trigger, "ok").inc()
@@ -128,21 +150,22 @@ class Reconciler:
         except Exception as exc:  # noqa: BLE001 - an outage must not kill the loop; it is reported instead
             self.metrics.syncs.labels(trigger, "error").inc()
             self.last_error = describe_error(model, exc, self.config)
-        self.runs += 1
+            ok = False
+        with self._count:
+            self.runs += 1
         self.last_run_at = utc_now()
         self.metrics.sync_seconds.observe(time.monotonic() - started)
-        if trigger == "reconciler":
-            self.metrics.last_reconcile.set_to_current_time()
-            self._heartbeat()
+        return ok
 
     def health(self) -> dict:
         return {"last_run_at": self.last_run_at, "last_ok_at": self.last_ok_at, "last_error": self.last_error,
-                "runs": self.runs, "interval_s": self.config.hooks.reconcile_interval_s, "alive": self.alive}
+                "runs": self.runs, "interval_s": self.config.hooks.reconcile_interval_s, "alive": self.alive,
+                "last_pass": self.last_pass.to_dict() if self.last_pass else None, "pass_error": self.pass_error}
 
     def _heartbeat(self) -> None:
         """What `promote status` shows as the reconciler's health (it may run in another pod)."""
         try:
-            promoter = Promoter(self.config)
+            promoter = self._promoter or Promoter(self.config)
             storage.write_status(promoter.dest, promoter.location, RECONCILER_STATUS, self.health())
         except Exception as exc:  # noqa: BLE001 - best effort; /healthz still has it
             self.last_error = describe_error("heartbeat", exc, self.config)

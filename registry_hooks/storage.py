@@ -17,7 +17,9 @@ from rlops.layout import (
     ADAPTER_CONFIG,
     RoutesManifest,
     S3Location,
+    model_from_routes_key,
     routes_key,
+    routes_prefix,
     routes_stamp_key,
     utc_now,
 )
@@ -152,7 +154,7 @@ def read_manifest(client, location: S3Location, model: str) -> tuple[RoutesManif
     try:
         return RoutesManifest.model_validate_json(obj["Body"].read()), obj["ETag"]
     except ValidationError as exc:
-        raise InvalidManifest(f"the routes manifest of {model!r} is invalid ({exc.error_count()} errors, first: "
+        raise InvalidManifest(f"invalid routes manifest of {model!r} ({exc.error_count()} errors, first: "
                               f"{exc.errors()[0]['msg'][:200]}); syncs of it stop until it is fixed or removed") from None
 
 
@@ -185,6 +187,17 @@ def stamp_routes(client, location: S3Location) -> None:
         client.put_object(Bucket=location.bucket, Key=routes_stamp_key(location), Body=f"{utc_now()} {uuid.uuid4().hex}".encode())
     except Exception as exc:  # noqa: BLE001
         log.warning("routes stamp not written (%s): serving sees the change at its next full listing", type(exc).__name__)
+
+
+def list_manifest_models(client, location: S3Location) -> dict[str, str]:
+    """Model -> ETag of every published manifest, from one listing of `_routes/` (1000 keys a request)."""
+    models = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=location.bucket, Prefix=routes_prefix(location)):
+        for obj in page.get("Contents", []):
+            model = model_from_routes_key(location, obj["Key"])
+            if model is not None:
+                models[model] = obj.get("ETag", "")
+    return models
 
 
 # ------------------------------------------------------------------------------------------ reconciler status

@@ -15,6 +15,7 @@ import uvicorn
 from click.testing import CliRunner
 
 from registry_hooks import operations
+from registry_hooks.cli import main as promote_cli
 from registry_hooks.service import Metrics, Reconciler, create_app, webhook_name
 from registry_hooks.webhook import MAX_BODY_BYTES, sign
 from rlops import processes
@@ -163,7 +164,8 @@ def test_forged_stale_replayed_and_duplicate_deliveries(stack, test_config, mlfl
     assert len(read_manifest(stack, cfg).history) == 1
 
 
-def test_reconciler_alone_converges_with_receiver_off(stack, test_config, mlflow_client, hooks_service, version):
+def test_reconciler_alone_converges_with_receiver_off(stack, test_config, mlflow_client, hooks_service, version,
+                                                      tmp_path):
     cfg, reconciler, metrics, url = hooks_service(webhook_enabled=False, reconcile_interval_s=1)
     model = cfg.registry.models[0]
     v1, v2 = version(1), version(2)
@@ -178,10 +180,24 @@ def test_reconciler_alone_converges_with_receiver_off(stack, test_config, mlflow
         mlflow_client.transition_model_version_stage(model, str(v2), "Production")
     assert wait_for(lambda: served(stack, cfg) == v2, 10), "legacy stage not followed"
 
-    health = httpx.get(f"{url}/healthz").json()
-    assert health["status"] == "ok" and health["reconciler"]["last_error"] is None and health["reconciler"]["runs"] >= 2
+    # Converged, the next pass has nothing to do: it syncs nothing and says how long it took.
+    def settled():
+        health = httpx.get(f"{url}/healthz").json()
+        last_pass = health["reconciler"]["last_pass"]
+        return health if health["reconciler"]["runs"] >= 2 and last_pass and last_pass["models_synced"] == 0 else None
+
+    health = wait_for(settled, 10)
+    assert health and health["status"] == "ok" and health["reconciler"]["last_error"] is None
+    last_pass = health["reconciler"]["last_pass"]
+    assert last_pass["models_seen"] == last_pass["models_registered"] == 1 and last_pass["behind_s"] == 0
+    assert 0 < last_pass["seconds"] < 1 and last_pass["interval_s"] == 1 and health["reconciler"]["pass_error"] is None
     state = operations.status(cfg)
     assert state["in_sync"] and state["reconciler"]["last_run_at"] and not state["reconciler"]["stale"]
+    assert state["reconciler"]["last_pass"]["models_seen"] == 1  # the heartbeat in _status/reconciler.json
+    path = write_config(tmp_path / "mlflow.yaml", cfg.model_dump(exclude_none=True, exclude={"hooks": {"secret"}}))
+    shown = CliRunner().invoke(promote_cli, ["--config", str(path), "status"], env=stack.env)
+    assert shown.exit_code == 0 and "reconciler: ok" in shown.stdout, shown.output
+    assert "1 models seen, 0 synced (0 failed), 0.0 s behind the 1 s interval" in shown.stdout, shown.output
 
     # The reconciler also settles tracked runs whose process died silently (heartbeat stopped).
     from tracker.session import TAG_HEARTBEAT

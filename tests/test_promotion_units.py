@@ -15,7 +15,7 @@ from registry_hooks.adapter import (
     copy_order,
     safetensors_header_length,
 )
-from registry_hooks.plan import drift, next_manifest, rollback_target
+from registry_hooks.plan import drift, needs_sync, next_manifest, rollback_target
 from registry_hooks.webhook import Rejected, SeenDeliveries, authenticate, parse_delivery, sign
 from rlops.layout import AliasRoute, RoutesManifest
 
@@ -43,6 +43,33 @@ def test_next_manifest_moves_refuses_and_drops_aliases():
     fixed = next_manifest(new, {"production": 3}, {3: route(3)}, {}, trigger="d", now="t5", history_limit=2)
     assert fixed.aliases["production"].version == 3 and fixed.refused == {}
     assert [(h.alias, h.version) for h in fixed.history] == [("staging", 1), ("production", 3)]  # limit 2
+
+
+
+def test_needs_sync_is_true_exactly_when_a_sync_would_change_the_manifest():
+    """The reconciler skips a model only when next_manifest would return the manifest unchanged."""
+    served = next_manifest(RoutesManifest(model="m"), {"production": 1}, {1: route(1)}, {}, trigger="a", now="t1",
+                           history_limit=10)
+    refused = next_manifest(served, {"production": 2}, {}, {2: "bad rank"}, trigger="a", now="t2", history_limit=10)
+    guarded = next_manifest(served, {"production": 2}, {}, {}, trigger="a", now="t2", history_limit=10,
+                            held={"production": ("guardrail", "v2 does not beat v1")})
+    assert guarded.aliases["production"].version == 1 and guarded.refused["production"].kind == "guardrail"
+    cases = [
+        ({"production": 2}, guarded, True),  # a guardrail refusal is re-checked each pass (rlops.force may be set)
+        ({"production": 1}, served, False),
+        ({"production": 2}, served, True),  # alias moved
+        ({"production": 1, "staging": 1}, served, True),  # alias added
+        ({}, served, True),  # alias deleted: the route must go
+        ({}, RoutesManifest(model="m"), False),  # nothing intended, nothing published
+        ({"production": 1}, RoutesManifest(model="m"), True),  # manifest missing
+        ({"production": 2}, refused, False),  # the refusal of v2 is sticky: no retry each pass
+        ({"production": 3}, refused, True),  # moved again: a new attempt
+        ({"production": 1}, refused, True),  # moved back: the stale refusal record goes
+    ]
+    for intent, manifest, expected in cases:
+        assert needs_sync(intent, manifest) is expected, (intent, manifest.aliases, manifest.refused)
+        if not expected:  # the same judgement as the sync's own planning
+            assert next_manifest(manifest, intent, {}, {2: "bad rank"}, trigger="b", now="t3", history_limit=10) is manifest
 
 
 def test_rollback_target_and_drift():

@@ -72,11 +72,9 @@ def train_adapter(base_dir: Path, out: Path, target: str, seed: int) -> Path:
     """A few Adam steps of LoRA on the tiny base towards `target`, on a text and an image prompt."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from rlops.vlm import load_processor
-
-    processor = load_processor(base_dir)
+    processor = AutoProcessor.from_pretrained(str(base_dir))
     torch.manual_seed(seed)
     model = get_peft_model(AutoModelForImageTextToText.from_pretrained(str(base_dir)),
                            LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS))
@@ -107,11 +105,9 @@ def train_adapter(base_dir: Path, out: Path, target: str, seed: int) -> Path:
 def offline_answer(base_dir: Path, adapter_dir: Path | None, with_image: bool, max_tokens: int) -> str:
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from rlops.vlm import load_processor
-
-    processor = load_processor(base_dir)
+    processor = AutoProcessor.from_pretrained(str(base_dir))
     model = AutoModelForImageTextToText.from_pretrained(str(base_dir))
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(adapter_dir))

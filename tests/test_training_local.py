@@ -58,13 +58,12 @@ def test_sampled_interval_spreads_between_mazes_not_samples():
 
 def test_sampled_eval_is_reproducible_and_leaves_the_training_rng_alone(tmp_path):
     import torch
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from rlops.vlm import load_processor
     from training.tiny_vlm import build_tiny_vlm
 
     init = build_tiny_vlm(tmp_path / "tiny", seed=0)
-    model, processor = AutoModelForImageTextToText.from_pretrained(str(init)), load_processor(init)
+    model, processor = AutoModelForImageTextToText.from_pretrained(str(init)), AutoProcessor.from_pretrained(str(init))
     mazes = ds.MazeSet("maze_2d/test5", 5, (0, 1, 2))
     torch.manual_seed(7)
     rng = torch.get_rng_state()

@@ -47,10 +47,11 @@ def test_datasets_load_through_skyrl_and_feed_the_env(skyrl_data):
     import skyrl_gym
     from skyrl.train.dataset import PromptDataset
 
-    from rlops.vlm import load_processor
+    from transformers import AutoProcessor
+
     from training.skyrl_env import register_visgym_env
 
-    tokenizer = load_processor(skyrl_data["model"]).tokenizer
+    tokenizer = AutoProcessor.from_pretrained(str(skyrl_data["model"])).tokenizer
     eval_set = PromptDataset(datasets=[str(skyrl_data["datasets"] / "skyrl" / "eval.parquet")], tokenizer=tokenizer,
                              max_prompt_length=512, num_workers=1)
     assert len(eval_set) == 64

@@ -1,7 +1,9 @@
-"""The tiny offline Qwen3-VL: builds without a hub, reloads with HF_HUB_OFFLINE=1, and sees the image."""
+"""The tiny offline Qwen3-VL: builds without a hub, reloads with HF_HUB_OFFLINE=1 and the stock processor, sees
+the image, and has the shape vLLM's CPU engine can serve (the serving tests load it in vLLM itself)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -10,8 +12,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from rlops.vlm import MazeVLProcessor, load_processor
+from transformers import AutoProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+from rlops.config import Config
+from training.local_trainer import TINY_INIT_MARKER, ensure_tiny_init
 from training.tiny_vlm import IMAGE_SIDE_PX, build_tiny_vlm
+
+# Head sizes vLLM 0.29's CPU attention backend supports (vllm/v1/attention/backends/cpu_attn.py).
+VLLM_CPU_HEAD_SIZES = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}
 
 
 def _weights_digest(folder) -> str:
@@ -30,9 +38,21 @@ def test_build_is_deterministic_per_seed(tiny_dir, tmp_path):
     assert _weights_digest(other) != _weights_digest(tiny_dir)
 
 
+def test_folder_has_the_shape_vllm_cpu_serves(tiny_dir):
+    text = json.loads((tiny_dir / "config.json").read_text())["text_config"]
+    assert text["head_dim"] in VLLM_CPU_HEAD_SIZES
+    assert sum(text["rope_parameters"]["mrope_section"]) == text["head_dim"] // 2
+    assert text["num_attention_heads"] % text["num_key_value_heads"] == 0
+    processor_config = json.loads((tiny_dir / "processor_config.json").read_text())
+    assert processor_config["processor_class"] == "Qwen3VLProcessor"
+    assert processor_config["video_processor"]["video_processor_type"] == "Qwen3VLVideoProcessor"
+    for name in ("model.safetensors", "generation_config.json", "tokenizer.json", "chat_template.jinja"):
+        assert (tiny_dir / name).is_file(), name
+
+
 def test_processor_reloads_and_counts_image_tokens(tiny_dir):
-    processor = load_processor(tiny_dir)
-    assert isinstance(processor, MazeVLProcessor)
+    processor = AutoProcessor.from_pretrained(str(tiny_dir))
+    assert isinstance(processor, Qwen3VLProcessor) and isinstance(processor.video_processor, Qwen3VLVideoProcessor)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "move the blue agent"}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text.endswith("<|im_start|>assistant\n")
@@ -48,9 +68,9 @@ def test_reloads_offline_in_a_fresh_process_and_uses_the_image(tiny_dir):
 import numpy as np, torch
 from PIL import Image
 from transformers import Qwen3VLForConditionalGeneration
-from rlops.vlm import load_processor
+from transformers import AutoProcessor
 model = Qwen3VLForConditionalGeneration.from_pretrained({str(tiny_dir)!r}).eval()
-processor = load_processor({str(tiny_dir)!r})
+processor = AutoProcessor.from_pretrained({str(tiny_dir)!r})
 text = processor.apply_chat_template([{{"role": "user", "content": [{{"type": "image"}}]}}], add_generation_prompt=True, tokenize=False)
 logits = []
 for fill in (0, 255):
@@ -66,3 +86,17 @@ print("DIFF", float((logits[0] - logits[1]).abs().max()))
     assert proc.returncode == 0, proc.stderr[-2000:]
     diff = float(proc.stdout.split("DIFF")[-1])
     assert diff > 0, "the next-token logits must depend on the image"
+
+
+def test_a_stale_cached_init_is_rebuilt(tmp_path):
+    """A data dir from before an architecture change holds an init vLLM cannot serve: it is not reused."""
+    config = Config.model_validate({"data_dir": str(tmp_path)})
+    init = ensure_tiny_init(config)
+    marker = init / TINY_INIT_MARKER
+    built = marker.read_text()
+    weights = _weights_digest(init)
+    (init / "model.safetensors").write_bytes(b"stale")
+    assert ensure_tiny_init(config) == init and (init / "model.safetensors").read_bytes() == b"stale"
+    marker.write_text(json.dumps({**json.loads(built), "architecture_sha256": "an older architecture"}))
+    ensure_tiny_init(config)
+    assert _weights_digest(init) == weights and marker.read_text() == built

@@ -24,6 +24,7 @@ from training import datasets as ds
 from training.maze import Maze, WalkResult, answer_text, render, solve, walk_answer
 
 TINY_INIT_DIR = "tiny-init"
+TINY_INIT_MARKER = "rlops-tiny-init.json"
 SFT_MARKER = "rlops-sft.json"
 # LoRA on the language model only: the vision tower stays as the base trained it.
 # An explicit list, not a regex: promotion checks the adapter's target modules against the served base.
@@ -224,19 +225,27 @@ def sft_base_dir(config: Config) -> Path:
 def _sft_settings(config: Config) -> dict:
     """What the cached SFT base depends on, eval layouts included: SFT never trains on them, so a base
     built against other eval sets could have seen today's."""
+    from training.tiny_vlm import architecture_digest
+
     local = config.training.local
     excluded = ds.local_eval_sets(local.eval_size)
-    return {"steps": local.sft_steps, "learning_rate": local.sft_learning_rate, "seed": local.seed,
+    return {"architecture_sha256": architecture_digest(),
+            "steps": local.sft_steps, "learning_rate": local.sft_learning_rate, "seed": local.seed,
             "maze_sizes": local.maze_sizes, "eval_size": local.eval_size,
             "excluded_layouts_sha256": ds.layout_digest(m for s in excluded for m in s.mazes())}
 
 
 def ensure_tiny_init(config: Config) -> Path:
-    from training.tiny_vlm import build_tiny_vlm
+    """The random-init tiny model, rebuilt when its seed or `training.tiny_vlm`'s architecture changed (an
+    older data dir may hold a build that vLLM cannot serve)."""
+    from training.tiny_vlm import architecture_digest, build_tiny_vlm
 
     path = tiny_init_dir(config)
-    if not (path / "config.json").is_file():
+    marker = path / TINY_INIT_MARKER
+    built = {"architecture_sha256": architecture_digest(), "seed": config.training.local.seed}
+    if not (marker.is_file() and json.loads(marker.read_text()) == built):
         build_tiny_vlm(path, seed=config.training.local.seed)
+        marker.write_text(json.dumps(built) + "\n")
     return path
 
 
@@ -284,12 +293,10 @@ class _SftCollator:
 def sft(init_dir: Path, out_dir: Path, config: Config) -> dict:
     """Supervised warm start of the full tiny model on BFS-optimal answers (transformers `Trainer`)."""
     import torch
-    from transformers import AutoModelForImageTextToText, Trainer, TrainingArguments
-
-    from rlops.vlm import load_processor
+    from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainingArguments
 
     local = config.training.local
-    processor = load_processor(init_dir)
+    processor = AutoProcessor.from_pretrained(str(init_dir))
     model = AutoModelForImageTextToText.from_pretrained(str(init_dir), dtype=torch.float32)
     mazes = ds.training_mazes(local.maze_sizes, max(64, local.sft_steps * 16 // 3),
                               exclude=ds.local_eval_sets(local.eval_size))
@@ -446,7 +453,8 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
     """Run SFT (cached) if needed, GRPO + LoRA with the tracker, eval on the fixed set after each
     checkpoint, and register the best checkpoint (alias `candidate`). `fast` skips SFT and uses the
     random-init tiny base (tests). Returns the curve and the before/after solve rates."""
-    from rlops.vlm import load_processor
+    from transformers import AutoProcessor
+
     from tracker import RunSession
     from tracker.hf import TrackerCallback
 
@@ -468,7 +476,7 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
     with RunSession.start(_run_config(config, str(base)), run_dir, params=params,
                           tags={"rlops.trainer": "trl-grpo-local", "rlops.task": "maze_2d-single-turn"}) as session:
         result.run_id = session.run_id
-        processor = load_processor(base)
+        processor = AutoProcessor.from_pretrained(str(base))
 
         eval_set = ds.local_eval_set(local.eval_size)
 

@@ -1,9 +1,9 @@
 """A tiny random-init Qwen3-VL built entirely offline: the default base of the local CPU trainer.
 
 Architecture and code paths are the real `Qwen3VLForConditionalGeneration` (vision tower with deepstack,
-M-RoPE, chat template with image tokens); only the sizes are tiny (~0.4M parameters) and the tokenizer is
+M-RoPE, chat template with image tokens); only the sizes are tiny (~0.44M parameters) and the tokenizer is
 a word-level vocabulary of the maze prompts, trained-free with `tokenizers`. The folder loads with
-`from_pretrained` under `HF_HUB_OFFLINE=1`; its processor loads with `rlops.vlm.load_processor`.
+`from_pretrained` and the stock `AutoProcessor` under `HF_HUB_OFFLINE=1`, and vLLM serves it on CPU.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ WORDS = [
     "navigate", "cannot", "parse", "string", "executed", "successfully", "reached", "not", "invalid",
     "(", ")", ",", "'", ".", ":", "_", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9",
 ]
+TEXT_HEAD_DIM = 32  # the smallest head size vLLM's CPU attention supports
 IMAGE_SIDE_PX = 96  # the processor resizes every maze image to at most this square: 9 image tokens (128 px learnt worse)
 
 CHAT_TEMPLATE = (
@@ -58,17 +59,14 @@ def build_tokenizer():
 
 
 def build_processor():
-    """The stock Qwen3-VL processor (vLLM loads it from the folder), with the tiny image size."""
-    from transformers import Qwen3VLProcessor
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    """The stock `Qwen3VLProcessor`: what vLLM and `AutoProcessor` load from the folder. The video processor
+    is never used by the maze task, but the processor class always has one and vLLM builds it."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-    image_processor = Qwen2VLImageProcessor(
-        patch_size=16, temporal_patch_size=2, merge_size=2,
-        min_pixels=32 * 32, max_pixels=IMAGE_SIDE_PX * IMAGE_SIDE_PX,
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
-    )
-    video_processor = Qwen3VLVideoProcessor(patch_size=16, temporal_patch_size=2, merge_size=2)
+    sizes = dict(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    max_pixels = IMAGE_SIDE_PX * IMAGE_SIDE_PX
+    image_processor = Qwen2VLImageProcessor(size={"shortest_edge": 32 * 32, "longest_edge": max_pixels}, **sizes)
+    video_processor = Qwen3VLVideoProcessor(size={"shortest_edge": 32 * 32, "longest_edge": 2 * max_pixels}, **sizes)
     return Qwen3VLProcessor(image_processor=image_processor, tokenizer=build_tokenizer(),
                             video_processor=video_processor, chat_template=CHAT_TEMPLATE)
 
@@ -77,14 +75,15 @@ def tiny_config(tokenizer):
     from transformers import Qwen3VLConfig
 
     ids = tokenizer.convert_tokens_to_ids
-    head_dim = 32  # vLLM's CPU attention takes head sizes 32, 64, 80, ...
     return Qwen3VLConfig(
         text_config=dict(
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, max_position_embeddings=1024,
-            # M-RoPE splits head_dim/2 frequencies over (time, height, width).
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                             "mrope_section": [8, 4, 4], "mrope_interleaved": True},
+            # vLLM's CPU attention needs head_dim >= 32; 4 heads x 32 (over hidden 64) learns best here at
+            # SFT lr 7e-4 (bench/README.md: the sweep). The vision tower's attention is not constrained.
+            num_attention_heads=4, num_key_value_heads=2, head_dim=TEXT_HEAD_DIM, max_position_embeddings=1024,
+            # M-RoPE splits head_dim/2 frequencies over (time, height, width): [8, 4, 4].
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
+                             "mrope_section": [TEXT_HEAD_DIM // 4, TEXT_HEAD_DIM // 8, TEXT_HEAD_DIM // 8]},
             pad_token_id=tokenizer.pad_token_id,
         ),
         vision_config=dict(
@@ -98,11 +97,23 @@ def tiny_config(tokenizer):
     )
 
 
+def architecture_digest() -> str:
+    """sha256 of what `build_tiny_vlm` writes besides the weights (model config, processor, vocabulary), so
+    that a cached build from an older version of this module can be told apart and rebuilt."""
+    import hashlib
+    import json
+
+    processor = build_processor()
+    parts = [tiny_config(processor.tokenizer).to_json_string(use_diff=False), processor.to_json_string(),
+             json.dumps(processor.tokenizer.get_vocab(), sort_keys=True), CHAT_TEMPLATE]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
 def build_tiny_vlm(out_dir: Path, seed: int = 0) -> Path:
     """Write a tiny random-init Qwen3-VL (config, weights, tokenizer, processor) to `out_dir`; return it.
 
     Deterministic for a given seed. Loadable offline with `Qwen3VLForConditionalGeneration.from_pretrained`
-    and `rlops.vlm.load_processor`.
+    and `AutoProcessor.from_pretrained`.
     """
     import torch
     from transformers import Qwen3VLForConditionalGeneration
