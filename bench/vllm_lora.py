@@ -9,7 +9,7 @@ whose adapter no replica has loaded yet to the first streamed token answered by 
 vLLM replica (its Ray worker, engine core and model worker). Goals: adapter >= 0.8x base, mixed >= 0.7x
 base, alias move -> first token < 2 s. figure = req/s, baseline = the base model's req/s.
 
-Usage: python bench/vllm_lora.py [--rounds 6] [--requests 48] [--tokens 32]
+Usage: python bench/vllm_lora.py [--rounds 6] [--requests 48] [--tokens 32] [--max-lora-rank 32]
 """
 from __future__ import annotations
 
@@ -144,6 +144,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--requests", type=int, default=48, help="requests per side per round")
     parser.add_argument("--tokens", type=int, default=32, help="decode tokens per request")
+    parser.add_argument("--max-lora-rank", type=int, default=32, help="serving.max_lora_rank (adapters are rank 8)")
     args = parser.parse_args()
 
     import mlflow
@@ -157,7 +158,8 @@ def main() -> None:
         adapters = write_adapters(base_dir, Path(tmp))
         port = free_port()
         with scratch_stack(registry={"models": [MODEL]},
-                           serving={"model_source": str(base_dir), "port": port, "replica_cpus": 0.5}) as (config, _):
+                           serving={"model_source": str(base_dir), "port": port, "replica_cpus": 0.5,
+                                    "max_lora_rank": args.max_lora_rank}) as (config, _):
             client = mlflow.MlflowClient(tracking_uri=config.tracking_uri, registry_uri=config.tracking_uri)
             mlflow.set_tracking_uri(config.tracking_uri)
             mlflow.set_registry_uri(config.tracking_uri)
@@ -201,7 +203,7 @@ def main() -> None:
     print(f"non-200 answers: {failures}")
     print(f"alias move -> first token from a not-yet-loaded adapter: {cold_s:.2f} s (goal < 2 s; sync included)")
     print(f"vLLM replica RSS: {rss:.0f} MiB")
-    name = Path(__file__).name
+    name = Path(__file__).name + ("" if args.max_lora_rank == 32 else f" --max-lora-rank {args.max_lora_rank}")
     record(f"{name}:adapter", statistics.median(rps["adapter"]), "req/s at concurrency 4 (ratio = median of paired "
            "rounds)", statistics.median(rps["base"]), ratio["adapter"], ">= 0.8x the base model's req/s")
     record(f"{name}:mixed", statistics.median(rps["mixed"]), "req/s at concurrency 4, 4 adapters round-robin",

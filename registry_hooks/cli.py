@@ -116,7 +116,8 @@ def main(ctx: click.Context, config_path: str | None) -> None:
       promote MODEL --from staging --to production
 
     Exit codes: 0 done, 1 error, 2 usage, 3 unknown model/version/alias, 4 refused (invalid adapter or
-    eval guardrail), 5 no convergence, 6 status found drift or refusals.
+    eval guardrail), 5 no convergence, 6 status found drift or refusals, 7 verify found served answers
+    that differ from the tracked eval.
     """
     ctx.obj = config_path
 
@@ -269,10 +270,6 @@ def gc_command(ctx, dry_run, as_json) -> None:
             click.echo(f"{label}: {', '.join(items)}")
 
 
-if __name__ == "__main__":
-    main()
-
-
 @main.command("verify")
 @click.argument("model")
 @click.option("--alias", help="Served alias to check (default: registry.default_alias unless --version).")
@@ -300,3 +297,7 @@ def verify_command(ctx, model, alias, version, endpoint, as_json) -> None:
                    + (f"; differing seeds: {', '.join(map(str, report.differing))}" if report.differing else ""))
     if report.differing:
         sys.exit(EXIT_PARITY)
+
+
+if __name__ == "__main__":
+    main()
