@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -125,8 +126,8 @@ def main() -> None:
     rlops_stack.up(config, timeout_s=90)
     try:
         seed_s3(config, args.models)
-        ray.init(address="local", num_cpus=8, runtime_env={"env_vars": s3_environment(config)},
-                 include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+        os.environ.update(s3_environment(config))  # the node's env, as `rlops serve` does: no secret in runtime_env
+        ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         alias_app, stock_app = build_apps(config)
