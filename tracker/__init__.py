@@ -2,7 +2,7 @@
 
 `RunSession` is the trainer-agnostic core; `sweep_stale_runs` settles runs whose process died silently.
 Adapters: `tracker.hf.TrackerCallback` (transformers/TRL) and `tracker.skyrl` (imported only when used)."""
-from tracker.session import RunSession, RunTerminated
+from tracker.session import FlushReport, RunSession, RunTerminated, flush_run_dir
 from tracker.sweep import sweep_stale_runs
 
-__all__ = ["RunSession", "RunTerminated", "sweep_stale_runs"]
+__all__ = ["FlushReport", "RunSession", "RunTerminated", "flush_run_dir", "sweep_stale_runs"]

@@ -23,6 +23,7 @@ from tracker.sender import wait_for_worker
 
 log = logging.getLogger(__name__)
 
+JOBS_DIR = "jobs"
 MODEL_TYPE = "lora-adapter"
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 TAG_STEP = "rlops.step"
@@ -70,7 +71,7 @@ class ArtifactUploader:
         self._client = client
         self._run_id = run_id
         self._experiment_id = experiment_id
-        self._dir = Path(state_dir) / "jobs"
+        self._dir = Path(state_dir) / JOBS_DIR
         self._dir.mkdir(parents=True, exist_ok=True)
         self._model_tags = model_tags
         self._on_checkpoint = on_checkpoint
@@ -122,10 +123,14 @@ class ArtifactUploader:
         with self._cond:
             return wait_for_worker(self._cond, lambda: not (self._queue or self._busy), self._thread, timeout_s)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Stop the worker and join it (bounded: an upload in flight may outlast the bound); True once the
+        thread has ended, so the session's files may be closed under it."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive()
 
     @property
     def pending(self) -> int:
