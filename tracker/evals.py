@@ -90,9 +90,6 @@ class EvalLinks:
         self._write({"step": step, "model_id": model_id})
         return [linked(p, model_id) for p in self._unlinked.pop(step, [])]
 
-    def evaluated_steps(self) -> set[int]:
-        return {step for values in self.history.values() for step in values}
-
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
