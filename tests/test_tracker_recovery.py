@@ -171,3 +171,25 @@ def test_a_torn_last_line_in_evals_jsonl_is_tolerated(tmp_path):
     assert (relinked.key, relinked.step, relinked.model_id) == (f"eval/{SOURCE}/avg_score", 2, "m-2")
     assert links.history == {f"eval/{SOURCE}/avg_score": {2: 0.5}}
     links.close()
+
+
+def test_a_full_disk_holds_spool_points_back_in_order_until_they_are_written(tmp_path, monkeypatch):
+    spool, real_write = MetricSpool(tmp_path), os.write
+    spool.append([encode("m", 1.0, 1, 1)])
+    full = {"on": True}
+
+    def write(fd, data):
+        if full["on"] and fd == spool._fd:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(spool_module.os, "write", write)
+    chunks = [spool.append([encode("m", float(s), s, s)]) for s in (2, 3)]  # the training thread goes on
+    assert [c.first_seq for c in chunks] == [2, 3]
+    with pytest.raises(OSError, match="still unwritten"):
+        spool.sync()  # the sender waits here: nothing is sent before it is in the spool file
+    full["on"] = False
+    spool.sync()
+    spool.close()
+    assert [c.first_seq for c in MetricSpool(tmp_path).unacknowledged()] == [1]
+    assert [json.loads(line.split("\t")[1])["step"] for line in (tmp_path / "spool.jsonl").read_text().splitlines()] == [1, 2, 3]

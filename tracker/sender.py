@@ -140,7 +140,9 @@ class MetricSender:
                 if self._stopping:
                     return  # unacknowledged points stay in the spool for the next start
                 bodies, last_seq = self._next_batch()
-            self._sync_spool()
+            # off the training thread: the points are written and fsynced before they are sent
+            if not self._retry_on_disk_error(self._spool.sync):
+                return
             try:
                 # A timed-out request keeps running on the server; waiting longer on the retry avoids
                 # piling duplicate work onto a server that is only slow.
@@ -211,13 +213,6 @@ class MetricSender:
                 backoff = min(self._max_backoff_s, max(0.1, backoff * 2))
                 if self._pause(backoff):
                     return False
-
-    def _sync_spool(self) -> None:
-        try:
-            self._spool.sync()  # off the training thread: the points now survive the node too
-        except OSError as exc:  # the points are in the page cache and in memory: send them anyway
-            self.disk_errors += 1
-            self.last_error = f"disk: {type(exc).__name__}: {exc}"
 
     def _pause(self, seconds: float) -> bool:
         """Wait `seconds` unless stopped; True when stopping."""

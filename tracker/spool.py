@@ -13,6 +13,7 @@ already landed (acknowledged by the server but not yet recorded here) is dropped
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -107,7 +108,7 @@ class MetricSpool:
             write_atomically(state_dir / LAST_STEP_FILE, str(self.previous_last_step))
         if existing and not self._pending_at_open:
             self._path.write_text("")  # everything landed; numbering stays monotonic via the watermark
-        self.unspooled_points = 0  # points kept in memory only because the spool write failed (disk full)
+        self._unwritten = bytearray()  # spool bytes a full disk held back, in order
         self.last_error: str | None = None
         # O_APPEND + one os.write per call: a kill -9 leaves whole lines in the page cache.
         self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -127,29 +128,41 @@ class MetricSpool:
         return chunks
 
     def append(self, bodies: list[str]) -> Chunk:
-        """Number and write encoded points (one write call). A failed write (disk full) never reaches the
-        training thread: the chunk is still returned and sent from memory; only a crash before it lands
-        would lose it, and the error is logged once per episode."""
+        """Number and write encoded points (one write call). A failed or short write (disk full) never
+        reaches the training thread: the rest stays buffered in order, and `sync()` (the sender, before
+        it sends) writes it out, so a point is never sent before it is in the spool file; a crash meanwhile
+        loses only points that never landed, which the resumed trainer logs again."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the spool is closed: the run session has ended")
             chunk = Chunk(self._next_seq, bodies)
             self._next_seq += len(bodies)
             if bodies:
-                try:
-                    os.write(self._fd, "".join([f"{chunk.first_seq + i}\t{b}\n" for i, b in enumerate(bodies)]).encode())
-                    self.last_error = None
-                except OSError as exc:
-                    if self.last_error is None:
-                        log.error("cannot write the metric spool %s (%s): points are kept in memory until they "
-                                  "land, and would be lost if this process crashed now", self._path, exc)
-                    self.last_error = f"{type(exc).__name__}: {exc}"
-                    self.unspooled_points += len(bodies)
+                self._unwritten += "".join([f"{chunk.first_seq + i}\t{b}\n" for i, b in enumerate(bodies)]).encode()
+                self._write_unwritten()
         return chunk
 
     def sync(self) -> None:
-        """fsync the spool, so it also survives the node (called off the training thread)."""
+        """Write out what a full disk held back, then fsync, so every point appended so far survives the
+        node (called off the training thread). Raises OSError while the disk is still full."""
+        with self._lock:
+            if not self._write_unwritten():
+                raise OSError(errno.ENOSPC, f"{len(self._unwritten)} bytes of the spool {self._path} still unwritten")
         os.fsync(self._fd)
+
+    def _write_unwritten(self) -> bool:
+        """(Under the lock) write the buffered bytes; True once none are left."""
+        try:
+            while self._unwritten:
+                del self._unwritten[:os.write(self._fd, self._unwritten)]
+            self.last_error = None
+            return True
+        except OSError as exc:
+            if self.last_error is None:
+                log.error("cannot write the metric spool %s (%s): points wait in memory (training goes on) and "
+                          "are sent once they are written", self._path, exc)
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return False
 
     def acknowledge(self, seq: int) -> None:
         """Record the watermark; raises OSError (disk full) with the watermark unchanged."""
