@@ -456,7 +456,7 @@ class RunSession:
     def _heartbeat(self) -> None:
         while not self._heartbeat_stop.wait(self.config.tracking.heartbeat_interval_s):
             try:
-                self._rest.set_tags(self._run_id, {TAG_HEARTBEAT: str(int(time.time()))})
+                self._rest.set_tags(self._run_id, {TAG_HEARTBEAT: _beat()})
             except Exception:  # noqa: BLE001 - a missed beat is retried next interval
                 pass
 
@@ -552,9 +552,14 @@ def _resume(client: MlflowClient, run_id: str, state_path: Path):
     return run
 
 
+def _beat() -> str:
+    """A heartbeat value: the time in ms resolution (a whole second of rounding would count as silence)."""
+    return f"{time.time():.3f}"
+
+
 def _default_tags(config: Config) -> dict[str, str]:
     tags = {TAG_HOST: socket.gethostname(), TAG_BASE_MODEL: config.training.base_model,
-            TAG_LORA_RANK: str(config.training.lora_rank), TAG_HEARTBEAT: str(int(time.time()))}
+            TAG_LORA_RANK: str(config.training.lora_rank), TAG_HEARTBEAT: _beat()}
     commit = _git_commit()
     if commit:
         tags[TAG_GIT_COMMIT] = tags["mlflow.source.git.commit"] = commit
