@@ -193,3 +193,16 @@ def test_a_full_disk_holds_spool_points_back_in_order_until_they_are_written(tmp
     spool.close()
     assert [c.first_seq for c in MetricSpool(tmp_path).unacknowledged()] == [1]
     assert [json.loads(line.split("\t")[1])["step"] for line in (tmp_path / "spool.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_line_appended_after_a_torn_one_is_not_lost(tmp_path):
+    spool = MetricSpool(tmp_path)
+    spool.append([encode("m", 1.0, 1, 1)])
+    spool.close()
+    with open(tmp_path / "spool.jsonl", "a") as fh:
+        fh.write('2\t{"key":"m","val')  # a short write on a full disk, then the process died
+    reopened = MetricSpool(tmp_path)
+    reopened.append([encode("m", 3.0, 3, 3)])  # must start on a line of its own
+    reopened.close()
+    [pending] = MetricSpool(tmp_path).unacknowledged()
+    assert [json.loads(b)["step"] for b in pending.bodies] == [1, 3]

@@ -11,7 +11,7 @@ import logging
 import os
 from pathlib import Path
 
-from tracker.spool import Point
+from tracker.spool import Point, drop_torn_tail
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ def read_records(path: Path) -> list[dict]:
 class EvalLinks:
     def __init__(self, path: Path):
         self._path = Path(path)
+        drop_torn_tail(self._path)
         self._fd: int | None = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self.linked: dict[int, str] = {}  # step -> model_id of that step's checkpoint
         self._unlinked: dict[int, list[Point]] = {}  # eval points waiting for their step's checkpoint

@@ -83,6 +83,24 @@ def _parse_line(line: str) -> tuple[int, str, int] | None:
         return None  # a torn last line from a crash mid-write: that point was never acknowledged either
 
 
+def drop_torn_tail(path: Path) -> None:
+    """Cut a torn last line (a crash mid-write, or a short write on a full disk) before appending, so the
+    next whole line does not land on the same line and get lost with it."""
+    try:
+        with open(path, "rb+") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            fh.seek(max(0, size - 65536))
+            tail = fh.read()
+            if tail.endswith(b"\n"):
+                return
+            cut = tail.rfind(b"\n")
+            fh.truncate(size - len(tail) + cut + 1 if cut >= 0 else (0 if size <= 65536 else size))
+    except FileNotFoundError:
+        pass
+
+
 def write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -110,6 +128,7 @@ class MetricSpool:
             self._path.write_text("")  # everything landed; numbering stays monotonic via the watermark
         self._unwritten = bytearray()  # spool bytes a full disk held back, in order
         self.last_error: str | None = None
+        drop_torn_tail(self._path)
         # O_APPEND + one os.write per call: a kill -9 leaves whole lines in the page cache.
         self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
