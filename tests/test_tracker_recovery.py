@@ -206,3 +206,22 @@ def test_a_line_appended_after_a_torn_one_is_not_lost(tmp_path):
     reopened.close()
     [pending] = MetricSpool(tmp_path).unacknowledged()
     assert [json.loads(b)["step"] for b in pending.bodies] == [1, 3]
+
+
+def test_a_checkpoint_job_whose_output_landed_before_a_crash_completes(test_config, tmp_path, mlflow_client):
+    from tracker.checkpoints import JOBS_DIR, snapshot_adapter
+
+    run_dir, adapter = tmp_path / "run", make_peft_adapter(tmp_path / "adapter")
+    with RunSession.start(test_config, run_dir) as session:
+        session.log_checkpoint(adapter, step=2)
+        assert session.flush(60)
+        session.kill("test")
+    [model] = mlflow_client.search_logged_models(experiment_ids=[session.experiment_id])
+    # as if the process died after log_outputs landed but before the job file was removed
+    job = run_dir / STATE_DIR / JOBS_DIR / "000009-ckpt-2.json"
+    snapshot_adapter(adapter, job.with_suffix(""))
+    job.write_text(json.dumps({"kind": "checkpoint", "step": 2, "model_id": model.model_id, "output_sent": True}))
+    with RunSession.start(test_config, run_dir) as resumed:
+        assert resumed.flush(60)  # log_outputs a second time would be a 400 forever
+    assert not job.exists()
+    assert [o.model_id for o in mlflow_client.get_run(session.run_id).outputs.model_outputs] == [model.model_id]

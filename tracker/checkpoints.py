@@ -188,8 +188,16 @@ class ArtifactUploader:
         model_id = spec["model_id"]
         self._client.log_model_artifacts(model_id, str(files_dir))
         self._client.finalize_logged_model(model_id, LoggedModelStatus.READY)
-        self._client.log_outputs(self._run_id, [LoggedModelOutput(model_id, step)])
+        # log_outputs is not idempotent (a second call is a 400 forever): after a lost response, look first
+        if not (spec.get("output_sent") and self._has_output(model_id)):
+            spec["output_sent"] = True
+            _write_json(job, spec)
+            self._client.log_outputs(self._run_id, [LoggedModelOutput(model_id, step)])
         self._on_checkpoint(step, model_id)
+
+    def _has_output(self, model_id: str) -> bool:
+        outputs = self._client.get_run(self._run_id).outputs
+        return any(o.model_id == model_id for o in (outputs.model_outputs if outputs else []) or [])
 
     def _upload_table(self, spec: dict) -> None:
         artifact_file = spec["artifact_file"]
