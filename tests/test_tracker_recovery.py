@@ -225,3 +225,19 @@ def test_a_checkpoint_job_whose_output_landed_before_a_crash_completes(test_conf
         assert resumed.flush(60)  # log_outputs a second time would be a 400 forever
     assert not job.exists()
     assert [o.model_id for o in mlflow_client.get_run(session.run_id).outputs.model_outputs] == [model.model_id]
+
+
+def test_a_short_write_on_a_full_disk_leaves_no_half_step_in_the_spool(tmp_path, monkeypatch):
+    spool, real_write = MetricSpool(tmp_path), os.write
+    short = {"on": True}
+
+    def write(fd, data):  # the disk fills after 10 bytes of this append
+        return real_write(fd, bytes(data[:10])) if short["on"] and fd == spool._fd else real_write(fd, data)
+
+    monkeypatch.setattr(spool_module.os, "write", write)
+    spool.append([encode("m", float(i), 1, 7) for i in range(3)])  # one step's points: all or none
+    assert (tmp_path / "spool.jsonl").read_bytes() == b""  # cut back: a restart sees no part of step 7
+    short["on"] = False
+    spool.sync()
+    spool.close()
+    assert len(MetricSpool(tmp_path).unacknowledged()[0].bodies) == 3

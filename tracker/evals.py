@@ -11,7 +11,7 @@ import logging
 import os
 from pathlib import Path
 
-from tracker.spool import Point, drop_torn_tail
+from tracker.spool import Point, append_whole, drop_torn_tail
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,6 @@ class EvalLinks:
         if self._fd is None:
             raise RuntimeError("eval links are closed: the run session has ended")
         try:
-            os.write(self._fd, (json.dumps(record) + "\n").encode())
+            append_whole(self._fd, (json.dumps(record) + "\n").encode())
         except OSError as exc:  # a full disk: the points still go out; only a restart would miss the link
             log.error("cannot write %s: %s", self._path, exc)

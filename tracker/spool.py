@@ -101,6 +101,16 @@ def drop_torn_tail(path: Path) -> None:
         pass
 
 
+def append_whole(fd: int, data: bytes | bytearray) -> None:
+    """One O_APPEND write of `data`, all or nothing: a short write (the disk filled mid-way) is cut back
+    and raised, so a file never holds part of an append (a resumed run would count a half-spooled step
+    as logged)."""
+    written = os.write(fd, data)
+    if written < len(data):
+        os.ftruncate(fd, os.fstat(fd).st_size - written)
+        raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes)")
+
+
 def write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -172,8 +182,9 @@ class MetricSpool:
     def _write_unwritten(self) -> bool:
         """(Under the lock) write the buffered bytes; True once none are left."""
         try:
-            while self._unwritten:
-                del self._unwritten[:os.write(self._fd, self._unwritten)]
+            if self._unwritten:
+                append_whole(self._fd, self._unwritten)
+                self._unwritten.clear()
             self.last_error = None
             return True
         except OSError as exc:
