@@ -66,6 +66,7 @@ class TrackingConfig(_Section):
     flush_timeout_s: float = Field(30.0, ge=0, description="bounded wait for spooled work when a run ends")
     heartbeat_interval_s: float = Field(30.0, gt=0, description="how often a live run refreshes rlops.heartbeat")
     heartbeat_timeout_s: float = Field(300.0, gt=0, description="`rlops runs sweep` fails RUNNING runs silent this long")
+    lock_lease_s: float = Field(60.0, gt=0, description="lease of a run dir's writer lock (renewed every third of it)")
     best_metric: str = Field("avg_score", description="eval metric that picks the best checkpoint (higher is better)")
     register_aliases: list[Alias] = Field(default_factory=lambda: ["candidate"],
                                         description="aliases register_best sets; never a served alias unless listed")

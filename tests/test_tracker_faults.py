@@ -10,6 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from click.testing import CliRunner
 
@@ -173,3 +174,48 @@ def test_exit_without_finish_still_lands_points_and_leaves_the_run_to_the_sweep(
     run_id = out.stdout.strip()
     assert_exactly_once(mlflow_client, run_id, range(50))
     assert mlflow_client.get_run(run_id).info.status == "RUNNING"  # not FINISHED: the sweep settles it
+
+
+def test_sweep_measures_silence_on_its_own_clock():
+    from types import SimpleNamespace
+
+    from tracker.sweep import Observations, stale_runs
+
+    def run(run_id, beat):
+        return SimpleNamespace(info=SimpleNamespace(run_id=run_id, run_name=run_id, status="RUNNING"),
+                               data=SimpleNamespace(tags={"rlops.heartbeat": beat}))
+
+    seen = Observations({})
+    # never observed: judged by its own stamp, so a run dead for hours fails at first sight
+    assert [s.run_id for s in stale_runs([run("dead", "0"), run("live", "995")], 1000, 60, seen)] == ["dead"]
+    # once observed only the sweeper's clock counts: an unchanged beat for 70 s of it is silence
+    assert stale_runs([run("live", "995")], 1050, 60, seen) == []
+    assert [s.silent_s for s in stale_runs([run("live", "995")], 1070, 60, seen)] == [70]
+    assert stale_runs([run("skewed", "99999")], 1000, 60, Observations({"skewed": ("99998", 900.0)})) == []
+    # a look that failed (an outage) makes the next one start afresh: nothing is judged on it
+    blind = Observations({"live": ("995", 1000.0)}, blind=True)
+    assert stale_runs([run("live", "995"), run("new", "0")], 5000, 60, blind) == []
+    assert blind.seen == {"live": ("995", 5000), "new": ("0", 5000)} and not blind.blind
+
+
+def test_an_outage_longer_than_the_heartbeat_timeout_does_not_fail_a_live_run(stack, test_config, tmp_path,
+                                                                              mlflow_proxy, mlflow_client,
+                                                                              monkeypatch):
+    from tracker import sweep_stale_runs
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    cfg = proxied(test_config, mlflow_proxy, heartbeat_interval_s=0.2)
+    cfg.data_dir = str(tmp_path / "sweeper")  # this sweeper's own observations
+    with RunSession.start(cfg, tmp_path / "run") as session:
+        assert sweep_stale_runs(cfg, timeout_s=2) == []
+        mlflow_proxy.cut()  # the tracking server is out for everyone, the sweeper too
+        time.sleep(2.0)
+        with pytest.raises(Exception):
+            sweep_stale_runs(cfg, timeout_s=2)
+        time.sleep(1.5)  # the heartbeat has now been paused for 3.5 s against a 2 s timeout
+        mlflow_proxy.restore()
+        assert sweep_stale_runs(cfg, timeout_s=2) == []  # just back: nothing is judged on this look
+        time.sleep(1.0)  # the trainer beats again
+        assert sweep_stale_runs(cfg, timeout_s=2) == []
+        assert mlflow_client.get_run(session.run_id).info.status == "RUNNING"
+    assert mlflow_client.get_run(session.run_id).info.status == "FINISHED"

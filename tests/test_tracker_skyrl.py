@@ -139,6 +139,22 @@ def mock_workers(monkeypatch, trainer, adapter: Path, *, fail_at_step: int | Non
     return trainer
 
 
+def tracked_exp(monkeypatch, cfg, rlops_config, adapter: Path, *, fail_at_step: int | None = None):
+    """A TrackedPPOExp whose `run()` goes through the real trainer loop with mocked workers.
+    BasePPOExp.__init__ loads an HF tokenizer and datasets; the experiment's own code is what is under test."""
+    exp = skyrl_tracker.TrackedPPOExp.__new__(skyrl_tracker.TrackedPPOExp)
+    exp.cfg, exp.rlops_config, exp.eval_data_source, exp.session = cfg, rlops_config, None, None
+    exp.run_dir = skyrl_tracker.tracker_run_dir(cfg, rlops_config)
+
+    def setup_trainer():  # BasePPOExp._setup_trainer minus model building: get_tracker, then get_trainer
+        args = trainer_args(cfg)
+        exp.trainer = exp.get_trainer(tracker=exp.get_tracker(), **args)
+        return mock_workers(monkeypatch, exp.trainer, adapter, fail_at_step=fail_at_step)
+
+    monkeypatch.setattr(exp, "_setup_trainer", setup_trainer)
+    return exp
+
+
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory) -> Path:
     return make_peft_adapter(tmp_path_factory.mktemp("peft") / "adapter")
@@ -203,16 +219,7 @@ def test_skyrl_experiment_raise_ends_failed_and_restart_resumes_the_run(monkeypa
                                                                          mlflow_client, adapter):
     cfg = skyrl_config(tmp_path, hf_save_interval=0)
     run_dir = Path(cfg.trainer.ckpt_path)
-    # BasePPOExp.__init__ loads an HF tokenizer and datasets; the experiment's own code is what is under test
-    exp = skyrl_tracker.TrackedPPOExp.__new__(skyrl_tracker.TrackedPPOExp)
-    exp.cfg, exp.rlops_config, exp.run_dir, exp.eval_data_source, exp.session = cfg, test_config, run_dir, None, None
-
-    def setup_trainer():  # BasePPOExp._setup_trainer minus model building: get_tracker, then get_trainer
-        args = trainer_args(cfg)
-        exp.trainer = exp.get_trainer(tracker=exp.get_tracker(), **args)
-        return mock_workers(monkeypatch, exp.trainer, adapter, fail_at_step=3)
-
-    monkeypatch.setattr(exp, "_setup_trainer", setup_trainer)
+    exp = tracked_exp(monkeypatch, cfg, test_config, adapter, fail_at_step=3)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         exp.run()
     exp.trainer.tracker.finish()  # SkyRL's own end of tracking (also run by its __del__) must not flip FAILED
@@ -229,3 +236,44 @@ def test_skyrl_experiment_raise_ends_failed_and_restart_resumes_the_run(monkeypa
     assert mlflow_client.get_run(resumed.run_id).info.status == "RUNNING"
     assert resumed.log_checkpoint(adapter, step=2) is False  # step 2 is archived already
     resumed.finish()
+
+
+def test_skyrl_resume_latest_continues_the_run_at_the_trainers_global_step(monkeypatch, test_config, tmp_path,
+                                                                           mlflow_client, adapter):
+    cfg = skyrl_config(tmp_path, hf_save_interval=0)
+    crashed = tracked_exp(monkeypatch, cfg, test_config, adapter, fail_at_step=3)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        crashed.run()
+    run_id = crashed.session.run_id
+
+    # the restarted job: SkyRL loads global_step_2 (weights, optimizer, dataloader) and evaluates it again
+    # before training (eval_before_train); the tracker continues the same run and logs that eval once
+    resumed = tracked_exp(monkeypatch, skyrl_config(tmp_path, hf_save_interval=0, resume_mode="latest"),
+                          test_config, adapter)
+    resumed.run()
+    assert resumed.session.run_id == run_id
+    run = mlflow_client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["rlops.resumes"] == "1"
+    assert [s for s, _ in metric_history(mlflow_client, run_id, "policy/policy_loss")] == [1, 2, 3]
+    assert metric_history(mlflow_client, run_id, f"eval/{DATA_SOURCE}/avg_score") == [(0, 0.1), (2, 0.6), (3, 0.4)]
+    models = {int(m.tags[TAG_STEP]): m for m in mlflow_client.search_logged_models(
+        experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'")}
+    assert sorted(models) == [2, 3]
+    linked = sorted((m.key, m.step) for m in models[2].metrics)  # the re-run eval of step 2 is not linked twice
+    assert linked == [("eval/all/avg_score", 2), (f"eval/{DATA_SOURCE}/avg_score", 2), (f"eval/{DATA_SOURCE}/pass_at_1", 2)]
+    version = mlflow_client.get_model_version_by_alias(test_config.registered_model, "candidate")
+    assert version.tags["rlops.step"] == "2"
+
+    # resume_mode=none trains from step 0 again: a new run, not a splice onto the finished one
+    fresh = tracked_exp(monkeypatch, skyrl_config(tmp_path / "again", hf_save_interval=0), test_config, adapter)
+    fresh.run()
+    assert fresh.session.run_id != run_id
+
+
+def test_a_remote_ckpt_path_keeps_the_tracker_state_in_a_local_folder_keyed_by_it(test_config, tmp_path):
+    cfg = skyrl_config(tmp_path, ckpt_path="s3://bucket/team/ckpts")
+    first, again = (skyrl_tracker.tracker_run_dir(cfg, test_config) for _ in range(2))
+    assert first == again and first.parent == test_config.data_path / "tracker-state"
+    assert "s3:" not in str(first) and first.name.startswith("bucket-team-ckpts-")
+    other = skyrl_tracker.tracker_run_dir(skyrl_config(tmp_path, ckpt_path="s3://bucket/team/ckpts2"), test_config)
+    assert other != first

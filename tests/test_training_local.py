@@ -141,3 +141,64 @@ def test_local_grpo_run_lands_in_mlflow(test_config, mlflow_client, tmp_path):
     version = mlflow_client.get_model_version(config.registered_model, result.registered_version)
     assert version.tags["rlops.metric_key"] == f"eval/{source}/avg_score"
     assert mlflow_client.get_model_version_by_alias(config.registered_model, "candidate").version == version.version
+
+
+def _tiny_local(config):
+    local = config.training.local
+    local.num_generations, local.prompts_per_step = 4, 2
+    local.ckpt_interval = local.eval_interval = 2
+    local.max_completion_tokens = 8
+    local.eval_samples = 0
+    return config
+
+
+@pytest.mark.slow
+def test_rerun_on_one_run_dir_continues_the_run_without_duplicate_steps(test_config, mlflow_client, tmp_path,
+                                                                        monkeypatch):
+    from tracker.checkpoints import TAG_SHA256, sha256_of
+    from training import local_trainer
+
+    config, run_dir = _tiny_local(test_config), tmp_path / "run"
+    source = ds.local_eval_set(config.training.local.eval_size).data_source
+    crash_after_logging = local_trainer.QuietProgressCallback.on_log
+
+    def crash_at_step_3(self, args, state, control, logs=None, **kwargs):  # after the tracker logged step 3
+        if state.global_step == 3:
+            raise RuntimeError("node lost")
+        return crash_after_logging(self, args, state, control, logs=logs, **kwargs)
+
+    monkeypatch.setattr(local_trainer.QuietProgressCallback, "on_log", crash_at_step_3)
+    with pytest.raises(RuntimeError, match="node lost"):
+        train(config, run_dir, steps=4, budget_s=600, fast=True, log=lambda _: None)
+    monkeypatch.undo()
+    [first] = mlflow_client.search_runs([mlflow_client.get_experiment_by_name(config.tracking.experiment).experiment_id])
+    assert first.info.status == "FAILED"
+
+    # the same command again: the trainer resumes from checkpoint-2, the MLflow run continues after step 3
+    resumed = train(config, run_dir, steps=4, budget_s=600, fast=True, log=lambda _: None)
+    assert resumed.run_id == first.info.run_id and resumed.steps == 4
+    run = mlflow_client.get_run(resumed.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["rlops.resumes"] == "1"
+    rewards = mlflow_client.get_metric_history(resumed.run_id, "reward/avg_raw_reward")
+    assert sorted(m.step for m in rewards) == [1, 2, 3, 4]  # step 3 was replayed but logged once
+    evals = mlflow_client.get_metric_history(resumed.run_id, f"eval/{source}/avg_score")
+    assert sorted(m.step for m in evals) == [0, 2, 4] and [s for s, _ in resumed.curve] == [0, 2, 4]
+    models = mlflow_client.search_logged_models(experiment_ids=[run.info.experiment_id],
+                                                filter_string=f"source_run_id = '{resumed.run_id}'")
+    assert sorted(int(m.tags["rlops.step"]) for m in models) == [2, 4]
+    for model in models:  # each LoggedModel's eval belongs to the weights it archived
+        weights = run_dir / f"checkpoint-{model.tags['rlops.step']}" / "adapter_model.safetensors"
+        assert model.tags[TAG_SHA256 + "adapter_model.safetensors"] == sha256_of(weights)
+        assert [(m.key, m.step) for m in model.metrics] == [(f"eval/{source}/avg_score", int(model.tags["rlops.step"]))]
+
+    # a finished run dir starts a new run; the finished one's state and checkpoints move aside
+    fresh = train(config, run_dir, steps=2, budget_s=600, fast=True, log=lambda _: None)
+    assert fresh.run_id != resumed.run_id and [s for s, _ in fresh.curve] == [0, 2]
+    archived = run_dir / f"previous-{resumed.run_id}"
+    assert (archived / "checkpoint-4").is_dir() and (archived / ".rlops-tracker" / "run.json").is_file()
+    assert sorted(m.step for m in mlflow_client.get_metric_history(fresh.run_id, "reward/avg_raw_reward")) == [1, 2]
+
+    # --resume continues a finished run with more steps
+    more = train(config, run_dir, steps=4, budget_s=600, fast=True, resume=True, log=lambda _: None)
+    assert more.run_id == fresh.run_id and [s for s, _ in more.curve] == [0, 2, 4]
+    assert sorted(m.step for m in mlflow_client.get_metric_history(more.run_id, "reward/avg_raw_reward")) == [1, 2, 3, 4]

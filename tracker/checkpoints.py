@@ -24,6 +24,7 @@ from tracker.sender import wait_for_worker
 
 log = logging.getLogger(__name__)
 
+JOBS_DIR = "jobs"
 MODEL_TYPE = "lora-adapter"
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 TAG_BASE_MODEL = "rlops.base_model"
@@ -69,7 +70,7 @@ class ArtifactUploader:
         self._client = client
         self._run_id = run_id
         self._experiment_id = experiment_id
-        self._dir = Path(state_dir) / "jobs"
+        self._dir = Path(state_dir) / JOBS_DIR
         self._dir.mkdir(parents=True, exist_ok=True)
         self._model_tags = model_tags
         self._on_checkpoint = on_checkpoint
@@ -121,10 +122,14 @@ class ArtifactUploader:
         with self._cond:
             return wait_for_worker(self._cond, lambda: not (self._queue or self._busy), self._thread, timeout_s)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Stop the worker and join it (bounded: an upload in flight may outlast the bound); True once the
+        thread has ended, so the session's files may be closed under it."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive()
 
     @property
     def pending(self) -> int:
@@ -182,8 +187,16 @@ class ArtifactUploader:
         model_id = spec["model_id"]
         self._client.log_model_artifacts(model_id, str(files_dir))
         self._client.finalize_logged_model(model_id, LoggedModelStatus.READY)
-        self._client.log_outputs(self._run_id, [LoggedModelOutput(model_id, step)])
+        # log_outputs is not idempotent (a second call is a 400 forever): after a lost response, look first
+        if not (spec.get("output_sent") and self._has_output(model_id)):
+            spec["output_sent"] = True
+            _write_json(job, spec)
+            self._client.log_outputs(self._run_id, [LoggedModelOutput(model_id, step)])
         self._on_checkpoint(step, model_id)
+
+    def _has_output(self, model_id: str) -> bool:
+        outputs = self._client.get_run(self._run_id).outputs
+        return any(o.model_id == model_id for o in (outputs.model_outputs if outputs else []) or [])
 
     def _upload_table(self, spec: dict) -> None:
         artifact_file = spec["artifact_file"]

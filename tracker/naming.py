@@ -5,6 +5,9 @@ import re
 from functools import lru_cache
 from typing import Any, Mapping
 
+from mlflow.exceptions import MlflowException
+from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, _validate_metric_name
+
 from rlops.config import MASK, mask_value
 
 EVAL_PREFIX = "eval"
@@ -18,7 +21,16 @@ def metric_key(name: str) -> str:
     (`@` -> `_at_` exactly as SkyRL's own MLflow backend does, anything else illegal -> `_`)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"metric name must be a non-empty string, got {name!r}")
-    return _ILLEGAL_KEY_CHARS.sub("_", name.replace("@", "_at_"))
+    key = _ILLEGAL_KEY_CHARS.sub("_", name.replace("@", "_at_"))
+    # Checked here, on the first use of a name (cached), so the server never has to reject the point.
+    if len(key) > MAX_ENTITY_KEY_LENGTH:
+        raise ValueError(f"metric {key[:60]!r}... is {len(key)} characters long; MLflow accepts keys of at "
+                         f"most {MAX_ENTITY_KEY_LENGTH}")
+    try:
+        _validate_metric_name(key)
+    except MlflowException as exc:
+        raise ValueError(f"metric {name!r} (key {key!r}) is not a valid MLflow key: {exc.message}") from None
+    return key
 
 
 def eval_key(data_source: str, metric: str = "avg_score") -> str:

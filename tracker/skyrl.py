@@ -28,6 +28,7 @@ from skyrl.train.utils.tracking import Tracking, _compute_mlflow_params_from_obj
 
 from rlops.config import Config  # noqa: E402
 from rlops.layout import ADAPTER_CONFIG  # noqa: E402
+from tracker import state as tracker_state  # noqa: E402
 from tracker.session import RunSession  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -153,9 +154,28 @@ class TrackedRayPPOTrainer(RayPPOTrainer):
             log_adapter(self.rlops_session, str(export), self.global_step)
 
 
+def tracker_run_dir(cfg: Any, rlops_config: Config) -> Path:
+    """Where the tracker keeps its state: beside the checkpoints when `trainer.ckpt_path` is local; for a
+    remote one (`s3://...`) a local folder keyed by that URI (a restart on this machine finds it again)."""
+    ckpt_path = str(cfg.trainer.ckpt_path)
+    if "://" in ckpt_path:
+        local = tracker_state.local_state_dir(rlops_config.data_path, ckpt_path)
+        log.warning("trainer.ckpt_path %s is remote: the tracker's state is kept in %s; pass run_dir= a "
+                    "folder that moves with the job to keep it across machines", ckpt_path, local)
+        return local
+    return Path(ckpt_path)
+
+
+def resume_policy(cfg: Any) -> bool | None:
+    """The tracker follows the trainer: `resume_mode=none` trains from step 0, so it gets a new run;
+    `latest`/`from_path` continue the stored run (unless it FINISHED) after its last logged step."""
+    return False if str(cfg.trainer.resume_mode).lower().endswith("none") else None
+
+
 class TrackedPPOExp(BasePPOExp):
     """`BasePPOExp` whose run is owned by a RunSession kept beside the checkpoints (`trainer.ckpt_path`),
-    so `trainer.resume_mode=latest` after a restart continues the same MLflow run."""
+    so `trainer.resume_mode=latest` after a restart continues the same MLflow run at the trainer's next
+    step (steps the resumed trainer replays are logged once)."""
 
     def __init__(self, cfg: Any, rlops_config: Config, *, run_dir: Path | None = None,
                  eval_data_source: str | None = None):
@@ -163,13 +183,14 @@ class TrackedPPOExp(BasePPOExp):
             raise TypeError(f"rlops_config must be rlops.config.Config, got {type(rlops_config).__name__}")
         super().__init__(cfg)
         self.rlops_config = rlops_config
-        self.run_dir = Path(run_dir or cfg.trainer.ckpt_path)
+        self.run_dir = Path(run_dir) if run_dir else tracker_run_dir(cfg, rlops_config)
         self.eval_data_source = eval_data_source
         self.session: RunSession | None = None
 
     def get_tracker(self) -> Tracking:
         self.session = RunSession.start(self.rlops_config, self.run_dir, params=skyrl_params(self.cfg),
-                                        tags=skyrl_tags(self.cfg), run_name=self.cfg.trainer.run_name)
+                                        tags=skyrl_tags(self.cfg), run_name=self.cfg.trainer.run_name,
+                                        resume=resume_policy(self.cfg))
         return make_tracking(self.cfg, self.session)
 
     def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset, inference_engine_client,

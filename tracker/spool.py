@@ -4,6 +4,8 @@ Files (in the tracker's state dir beside the trainer's checkpoints):
 - `spool.jsonl`: one line per point, `<seq>\t<REST JSON of the point>`; the sequence number is assigned at
   append time, and the JSON is exactly what the sender posts, so it is encoded once, on append.
 - `spool.ack`: the highest sequence number MLflow acknowledged (the sender sends in order).
+- `spool.last_step`: the highest step of any point spooled by earlier sessions of this run (the spool file
+  is emptied once everything landed, so the step a resumed run continues after is kept here).
 
 A restart replays every point above the watermark. Exactly once holds because the timestamp is fixed
 at enqueue: MLflow keys a metric row by (key, timestamp, step, value), so a replayed point that had
@@ -11,7 +13,9 @@ already landed (acknowledged by the server but not yet recorded here) is dropped
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import math
 import os
 import threading
@@ -19,8 +23,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
+log = logging.getLogger(__name__)
+
 SPOOL_FILE = "spool.jsonl"
 ACK_FILE = "spool.ack"
+LAST_STEP_FILE = "spool.last_step"
 
 
 class Point(NamedTuple):
@@ -65,15 +72,49 @@ def decode(body: str) -> Point:
     return Point(row["key"], float(row["value"]), int(row["timestamp"]), int(row["step"]), row.get("model_id"))
 
 
-def _parse_line(line: str) -> tuple[int, str] | None:
+def _parse_line(line: str) -> tuple[int, str, int] | None:
+    """(seq, body, step) of one spool line; None for a torn line."""
     seq, sep, body = line.rstrip("\n").partition("\t")
     if not sep:
         return None
     try:
-        decode(body)
-        return int(seq), body
+        return int(seq), body, decode(body).step
     except (ValueError, KeyError, TypeError):
         return None  # a torn last line from a crash mid-write: that point was never acknowledged either
+
+
+def drop_torn_tail(path: Path) -> None:
+    """Cut a torn last line (a crash mid-write, or a short write on a full disk) before appending, so the
+    next whole line does not land on the same line and get lost with it."""
+    try:
+        with open(path, "rb+") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            fh.seek(max(0, size - 65536))
+            tail = fh.read()
+            if tail.endswith(b"\n"):
+                return
+            cut = tail.rfind(b"\n")
+            fh.truncate(size - len(tail) + cut + 1 if cut >= 0 else (0 if size <= 65536 else size))
+    except FileNotFoundError:
+        pass
+
+
+def append_whole(fd: int, data: bytes | bytearray) -> None:
+    """One O_APPEND write of `data`, all or nothing: a short write (the disk filled mid-way) is cut back
+    and raised, so a file never holds part of an append (a resumed run would count a half-spooled step
+    as logged)."""
+    written = os.write(fd, data)
+    if written < len(data):
+        os.ftruncate(fd, os.fstat(fd).st_size - written)
+        raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes)")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 class MetricSpool:
@@ -85,12 +126,19 @@ class MetricSpool:
         self._path = self.state_dir / SPOOL_FILE
         self._ack_path = self.state_dir / ACK_FILE
         self._lock = threading.Lock()
-        self.acked = self._read_ack()
+        self._closed = False
+        self.acked = _read_int(self._ack_path, 0)
         existing = self._read()
-        self._pending_at_open = [(seq, body) for seq, body in existing if seq > self.acked]
-        self._next_seq = max((seq for seq, _ in existing), default=self.acked) + 1
+        self._pending_at_open = [(seq, body) for seq, body, _ in existing if seq > self.acked]
+        self._next_seq = max((seq for seq, _, _ in existing), default=self.acked) + 1
+        self.previous_last_step = max([_read_int(state_dir / LAST_STEP_FILE, -1)] + [s for _, _, s in existing])
+        if existing:
+            write_atomically(state_dir / LAST_STEP_FILE, str(self.previous_last_step))
         if existing and not self._pending_at_open:
             self._path.write_text("")  # everything landed; numbering stays monotonic via the watermark
+        self._unwritten = bytearray()  # spool bytes a full disk held back, in order
+        self.last_error: str | None = None
+        drop_torn_tail(self._path)
         # O_APPEND + one os.write per call: a kill -9 leaves whole lines in the page cache.
         self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
@@ -109,40 +157,69 @@ class MetricSpool:
         return chunks
 
     def append(self, bodies: list[str]) -> Chunk:
-        """Number and write encoded points (one write call)."""
+        """Number and write encoded points (one write call). A failed or short write (disk full) never
+        reaches the training thread: the rest stays buffered in order, and `sync()` (the sender, before
+        it sends) writes it out, so a point is never sent before it is in the spool file; a crash meanwhile
+        loses only points that never landed, which the resumed trainer logs again."""
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the spool is closed: the run session has ended")
             chunk = Chunk(self._next_seq, bodies)
             self._next_seq += len(bodies)
             if bodies:
-                os.write(self._fd, "".join([f"{chunk.first_seq + i}\t{b}\n" for i, b in enumerate(bodies)]).encode())
+                self._unwritten += "".join([f"{chunk.first_seq + i}\t{b}\n" for i, b in enumerate(bodies)]).encode()
+                self._write_unwritten()
         return chunk
 
     def sync(self) -> None:
-        """fsync the spool, so it also survives the node (called off the training thread)."""
+        """Write out what a full disk held back, then fsync, so every point appended so far survives the
+        node (called off the training thread). Raises OSError while the disk is still full."""
+        with self._lock:
+            if not self._write_unwritten():
+                raise OSError(errno.ENOSPC, f"{len(self._unwritten)} bytes of the spool {self._path} still unwritten")
         os.fsync(self._fd)
 
+    def _write_unwritten(self) -> bool:
+        """(Under the lock) write the buffered bytes; True once none are left."""
+        try:
+            if self._unwritten:
+                append_whole(self._fd, self._unwritten)
+                self._unwritten.clear()
+            self.last_error = None
+            return True
+        except OSError as exc:
+            if self.last_error is None:
+                log.error("cannot write the metric spool %s (%s): points wait in memory (training goes on) and "
+                          "are sent once they are written", self._path, exc)
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return False
+
     def acknowledge(self, seq: int) -> None:
+        """Record the watermark; raises OSError (disk full) with the watermark unchanged."""
         if seq <= self.acked:
             return
-        tmp = self._ack_path.with_suffix(".tmp")
-        tmp.write_text(str(seq))
-        os.replace(tmp, self._ack_path)
+        write_atomically(self._ack_path, str(seq))
         self.acked = seq
 
     def close(self) -> None:
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
 
-    def _read_ack(self) -> int:
-        try:
-            return int(self._ack_path.read_text().strip() or 0)
-        except (FileNotFoundError, ValueError):
-            return 0
-
-    def _read(self) -> list[tuple[int, str]]:
+    def _read(self) -> list[tuple[int, str, int]]:
         if not self._path.exists():
             return []
         with self._path.open() as fh:
             return [row for line in fh if (row := _parse_line(line)) is not None]
+
+
+def _read_int(path: Path, default: int) -> int:
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return default

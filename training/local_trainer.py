@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from transformers import ProgressCallback, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from rlops.config import Config
 from training import datasets as ds
@@ -380,13 +381,16 @@ def _run_config(config: Config, base_model: str) -> Config:
 
 class FixedEvalCallback(TrainerCallback):
     """Score the model at the start and after every checkpoint (so each score measures the checkpoint of
-    its step); `on_result(step, EvalResult)` records it."""
+    its step); `on_result(step, EvalResult)` records it. A step `already_scored` (the checkpoint a resumed
+    run starts from) is not scored again."""
 
-    def __init__(self, score: Callable[[Any], EvalResult], on_result: Callable[[int, EvalResult], None]):
-        self.score, self.on_result = score, on_result
+    def __init__(self, score: Callable[[Any], EvalResult], on_result: Callable[[int, EvalResult], None],
+                 already_scored: Callable[[int], bool] = lambda step: False):
+        self.score, self.on_result, self.already_scored = score, on_result, already_scored
 
     def _eval(self, model, step: int) -> None:
-        self.on_result(step, self.score(model))
+        if not self.already_scored(step):
+            self.on_result(step, self.score(model))
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._eval(model, state.global_step)
@@ -435,7 +439,8 @@ def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callback
         num_generations=local.num_generations, max_completion_length=local.max_completion_tokens,
         temperature=local.temperature, beta=local.beta, reward_weights=[1.0, 0.0],
         use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", logging_steps=1,
-        save_strategy="steps", save_steps=min(local.ckpt_interval, local.eval_interval), save_only_model=True,
+        # full checkpoints (optimizer, scheduler, RNG, global step): a rerun on the run dir resumes from them
+        save_strategy="steps", save_steps=min(local.ckpt_interval, local.eval_interval), save_only_model=False,
         seed=local.seed, dataloader_num_workers=0, remove_unused_columns=False,
     )
     peft_config = LoraConfig(r=local.lora_rank, lora_alpha=local.lora_alpha, lora_dropout=0.0,
@@ -448,15 +453,38 @@ def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callback
     return trainer
 
 
+def resume_checkpoint(run_dir: Path, logged_steps: frozenset[int]) -> Path | None:
+    """The latest complete checkpoint of this run in `run_dir` (one the tracker logged: a checkpoint
+    saved just before a crash, whose hook never ran, is redone)."""
+    from transformers.trainer import TRAINER_STATE_NAME
+
+    found = [(int(p.name.rsplit("-", 1)[1]), p) for p in Path(run_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+             if p.name.rsplit("-", 1)[1].isdigit() and (p / TRAINER_STATE_NAME).is_file()]
+    found = [(step, p) for step, p in found if step in logged_steps]
+    return max(found)[1] if found else None
+
+
+def archive_checkpoints(run_dir: Path, dest: Path) -> None:
+    """Move a finished run's checkpoints beside its archived tracker state (a new run starts at step 0)."""
+    for folder in Path(run_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+        folder.rename(dest / folder.name)
+
+
 def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps: int | None = None,
-          fast: bool = False, log: Callable[[str], None] = print) -> TrainResult:
+          fast: bool = False, resume: bool | None = None, log: Callable[[str], None] = print) -> TrainResult:
     """Run SFT (cached) if needed, GRPO + LoRA with the tracker, eval on the fixed set after each
     checkpoint, and register the best checkpoint (alias `candidate`). `fast` skips SFT and uses the
-    random-init tiny base (tests). Returns the curve and the before/after solve rates."""
+    random-init tiny base (tests). Returns the curve and the before/after solve rates.
+
+    A run dir whose run did not finish continues it: the trainer resumes from its latest checkpoint
+    (weights, optimizer, scheduler, RNG, global step) and the MLflow run continues after its last step.
+    A FINISHED one starts a new run (its checkpoints move to `previous-<run_id>/`) unless `resume=True`
+    (continue it, e.g. with more steps); `resume=False` always starts a new run."""
     from transformers import AutoProcessor
 
     from tracker import RunSession
     from tracker.hf import TrackerCallback
+    from tracker.naming import eval_key
 
     local = config.training.local
     steps = local.steps if steps is None else steps
@@ -473,12 +501,19 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
               "eval_layout_sha256": ds.layout_digest(ds.local_eval_set(local.eval_size).mazes())}
     result = TrainResult(run_id="", base_model=str(base), steps=0, seconds=0.0, seconds_per_step=0.0,
                          eval_data_source=ds.local_eval_set(local.eval_size).data_source)
-    with RunSession.start(_run_config(config, str(base)), run_dir, params=params,
+    with RunSession.start(_run_config(config, str(base)), run_dir, params=params, resume=resume,
                           tags={"rlops.trainer": "trl-grpo-local", "rlops.task": "maze_2d-single-turn"}) as session:
         result.run_id = session.run_id
+        if session.archived is not None:
+            archive_checkpoints(run_dir, session.archived)
+            log(f"run dir {run_dir} held a finished run: moved it to {session.archived}; new run {session.run_id}")
+        checkpoint = resume_checkpoint(run_dir, session.checkpoint_steps)
+        if checkpoint is not None:
+            log(f"resuming run {session.run_id} from {checkpoint}")
         processor = AutoProcessor.from_pretrained(str(base))
 
         eval_set = ds.local_eval_set(local.eval_size)
+        scored_steps = {step for step, _ in session.eval_history(eval_key(eval_set.data_source))}
 
         def score(model) -> EvalResult:
             return evaluate(model, processor, eval_set, local.max_completion_tokens, local.eval_samples, local.temperature)
@@ -486,17 +521,19 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
         def record(step: int, scored: EvalResult) -> None:
             extra = {} if scored.sampled_rate is None else {SAMPLED_METRIC: scored.sampled_rate}
             session.log_eval(scored.data_source, scored.solve_rate, scored.rows, step=step, metrics=extra)
-            result.curve.append((step, scored.solve_rate))
-            if scored.sampled_rate is not None:
-                result.sampled_curve.append((step, scored.sampled_rate))
 
-        callbacks = [TrackerCallback(session), BudgetCallback(budget_s), FixedEvalCallback(score, record)]
+        callbacks = [TrackerCallback(session), BudgetCallback(budget_s),
+                     FixedEvalCallback(score, record, already_scored=scored_steps.__contains__)]
         trainer = grpo_trainer(config, base, run_dir, steps, callbacks, processor)
         started = time.monotonic()
-        trainer.train()
+        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
         result.seconds = round(time.monotonic() - started, 1)
         result.steps = trainer.state.global_step
-        result.seconds_per_step = round(result.seconds / max(1, result.steps), 3)
+        done_here = result.steps - (int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint else 0)
+        result.seconds_per_step = round(result.seconds / max(1, done_here), 3)
+        # the curves as the run logged them, earlier sessions of a resumed run included
+        result.curve = session.eval_history(eval_key(eval_set.data_source))
+        result.sampled_curve = session.eval_history(eval_key(eval_set.data_source, SAMPLED_METRIC))
         version = session.register_best(result.eval_data_source)
         result.registered_version = version.version if version is not None else None
     last = run_dir / f"checkpoint-{result.steps}"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import click
@@ -34,12 +35,17 @@ def base_build(obj: CliContext) -> None:
 @click.option("--budget", "budget_s", type=click.FloatRange(min=1.0), default=None,
               help="Time budget in seconds for GRPO (default: training.local.budget_s).")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
-              help="Checkpoint/output folder; reusing one resumes its MLflow run (default: <data_dir>/runs/local).")
+              help="Checkpoint/output folder (default: a new <data_dir>/runs/<timestamp>). An existing one whose "
+              "run did not finish is resumed from its latest checkpoint; one whose run FINISHED starts a new run.")
+@click.option("--resume", "resume", flag_value=True, default=None,
+              help="Continue the run in --run-dir even if it FINISHED (e.g. with more --steps).")
+@click.option("--new-run", "resume", flag_value=False,
+              help="Start a new MLflow run in --run-dir even if its run did not finish (its checkpoints move aside).")
 @click.option("--fast", is_flag=True, help="Skip SFT: random-init tiny base (smoke tests).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @pass_ctx
 def train(obj: CliContext, local: bool, steps: int | None, budget_s: float | None, run_dir: str | None,
-          fast: bool, as_json: bool) -> None:
+          resume: bool | None, fast: bool, as_json: bool) -> None:
     """Train a LoRA adapter with GRPO on the maze task and register the best checkpoint (alias `candidate`)."""
     if not local:
         raise click.ClickException(
@@ -48,10 +54,15 @@ def train(obj: CliContext, local: bool, steps: int | None, budget_s: float | Non
     from training.local_trainer import TrainingError
     from training.local_trainer import train as run_training
 
-    folder = Path(run_dir) if run_dir else obj.config.data_path / "runs" / "local"
+    from tracker.lock import RunDirBusy
+
+    if resume is not None and not run_dir:
+        raise click.UsageError("--resume and --new-run need --run-dir (the default is a new folder)")
+    folder = Path(run_dir) if run_dir else obj.config.data_path / "runs" / time.strftime("%Y%m%d-%H%M%S")
     try:
-        result = run_training(obj.config, folder, budget_s=budget_s, steps=steps, fast=fast, log=click.echo)
-    except TrainingError as exc:
+        result = run_training(obj.config, folder, budget_s=budget_s, steps=steps, fast=fast, resume=resume,
+                              log=click.echo)
+    except (TrainingError, RunDirBusy) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
@@ -62,4 +73,6 @@ def train(obj: CliContext, local: bool, steps: int | None, budget_s: float | Non
         if points:
             curve = ", ".join(f"{step}: {rate:.3f}" for step, rate in points)
             click.echo(f"eval {result.eval_data_source} {label} solve rate by step: {curve}")
-    click.echo(f"registered version: {result.registered_version or '(none: no checkpoint was evaluated)'}")
+    pending = ("(none: no checkpoint was evaluated, or the registration waits for pending uploads: "
+               f"`rlops runs status {folder}`)")
+    click.echo(f"registered version: {result.registered_version or pending}")
