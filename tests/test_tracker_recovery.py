@@ -10,7 +10,6 @@ import socket
 import time
 
 import pytest
-import yaml
 from click.testing import CliRunner
 
 from rlops.cli import main as rlops_cli
@@ -22,21 +21,9 @@ from tracker.sender import DEAD_LETTER_FILE
 from tracker.session import STATE_DIR
 from tracker.spool import MetricSpool, encode
 
+from test_tracker_faults import proxied, write_config  # noqa: E402 - the same proxied-config helpers
+
 SOURCE = "maze_2d/local7"
-
-
-def proxied(config, proxy, **tracking):
-    cfg = config.model_copy(deep=True)
-    cfg.tracking.uri = proxy.url
-    cfg.tracking.retry_max_backoff_s = 0.5
-    for key, value in tracking.items():
-        setattr(cfg.tracking, key, value)
-    return cfg
-
-
-def write_config(cfg, path):
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    return path
 
 
 def test_registration_waits_for_the_best_checkpoint_through_an_outage(test_config, tmp_path, mlflow_proxy,
