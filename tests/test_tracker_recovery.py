@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from rlops.cli import main as rlops_cli
+from test_tracker_faults import proxied, write_config
 from test_tracker_support import make_peft_adapter, metric_history
 from tracker import RunSession, run_dir_status
 from tracker import spool as spool_module
@@ -20,8 +21,6 @@ from tracker.lock import LOCK_FILE, RunDirBusy, RunDirLock
 from tracker.sender import DEAD_LETTER_FILE
 from tracker.session import STATE_DIR
 from tracker.spool import MetricSpool, encode
-
-from test_tracker_faults import proxied, write_config  # noqa: E402 - the same proxied-config helpers
 
 SOURCE = "maze_2d/local7"
 
