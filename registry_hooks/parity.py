@@ -63,7 +63,7 @@ def tracked_rows(client, run_id: str, data_source: str, step: int) -> dict[int, 
 
 
 def verify_served(config: Config, model: str, *, alias: str | None, version: int | None, endpoint: str,
-                  api_key: str | None, ask: Callable[[str, str, object], str] | None = None) -> ParityReport:
+                  api_key: str | None) -> ParityReport:
     """Run the fixed eval set of `model`'s version (at `alias`, or `version` pinned as `@v<N>`) through
     `endpoint` and compare with the tracked table; log the served figure on the LoggedModel."""
     from training import datasets as ds
@@ -93,7 +93,7 @@ def verify_served(config: Config, model: str, *, alias: str | None, version: int
     maze_set = ds.local_eval_set(config.training.local.eval_size)
     tracked = tracked_rows(client, logged.source_run_id, maze_set.data_source, step)
     mazes = [m for m in maze_set.mazes() if m.seed in tracked]
-    ask = ask or _chat(endpoint, api_key)
+    ask = _chat(endpoint, api_key)
     max_tokens = config.training.local.max_completion_tokens
     with ThreadPoolExecutor(REQUEST_WORKERS) as pool:
         answers = list(pool.map(lambda m: ask(served_name, image_data_url(render(m)), max_tokens), mazes))
