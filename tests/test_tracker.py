@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -10,9 +11,11 @@ from mlflow.entities import Metric
 
 from test_tracker_support import make_peft_adapter, metric_history
 from tracker import RunSession
+from tracker import outbox as outbox_module
 from tracker.checkpoints import TAG_SHA256, TAG_STEP, sha256_of
 from tracker.lifecycle import TAG_EXCEPTION_MESSAGE, TAG_EXCEPTION_TYPE
 from tracker.naming import eval_key, metric_key, redacted_params, split_param_changes
+from tracker.outbox import MetricOutbox
 from tracker.registry import rank_checkpoints, retention_victims
 from tracker.run_start import TAG_PARAM_CHANGED
 from tracker.sender import MetricSender
@@ -87,6 +90,48 @@ def test_sender_splits_chunks_into_batches_in_order(tmp_path):
     sender.stop()
     assert [s for batch in rest.batches for s in batch] == list(range(8))
     assert all(len(batch) <= 3 for batch in rest.batches)
+
+
+def test_the_training_thread_only_queues_until_the_writer_or_a_barrier_spools(tmp_path, monkeypatch):
+    class Down:  # stands in for the REST client of an unreachable server: nothing is acknowledged
+        timeout_s = 1.0
+
+        def log_metrics(self, run_id, bodies, timeout_s=None):
+            raise ConnectionError("down")
+
+    def spooled() -> list[tuple[str, float, int]]:
+        lines = (tmp_path / "spool.jsonl").read_text().splitlines()
+        return [(p.key, p.value, p.step) for p in (decode(line.split("\t", 1)[1]) for line in lines)]
+
+    def outbox() -> MetricOutbox:
+        return MetricOutbox(tmp_path, Down(), "run", batch_size=100, max_backoff_s=0.1, on_dead_letters=print)
+
+    monkeypatch.setattr(outbox_module, "WRITE_INTERVAL_S", 3600.0)  # the spool writer thread stays asleep
+    first = outbox()
+    first.put_metrics({"loss": 1.0, "ok": True, "n": 3}, step=1)
+    with pytest.raises(TypeError, match="metric 'bad': value must be a number"):
+        first.put_metrics({"bad": "high"}, step=2)
+    with pytest.raises(ValueError, match="MLflow accepts keys of at most 250"):
+        first.put_metrics({"k" * 300: 1.0}, step=2)
+    assert spooled() == []  # handed over, not written: the caller did no I/O
+    first.barrier()
+    assert spooled() == [("loss", 1.0, 1), ("ok", 1.0, 1), ("n", 3.0, 1)]
+    first.put_metrics({"loss": 0.5}, step=2)
+    first.stop()  # spools what is still queued
+    first.close()
+
+    monkeypatch.undo()
+    second = outbox()  # a restart: continues after the last spooled step, replays what was not acknowledged
+    assert second.resumed_after_step == 2 and second.pending == 4
+    second.put_metrics({"loss": 0.1}, step=2)
+    assert second.replayed_points == 1
+    second.put_metrics({"loss": 0.2}, step=3)
+    deadline = time.monotonic() + 10
+    while ("loss", 0.2, 3) not in spooled() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert spooled()[-1] == ("loss", 0.2, 3)  # the writer thread spooled it, no barrier needed
+    second.stop()
+    second.close()
 
 
 def test_ranking_and_retention_are_pure():

@@ -270,10 +270,19 @@ def test_skyrl_resume_latest_continues_the_run_at_the_trainers_global_step(monke
     assert fresh.session.run_id != run_id
 
 
-def test_a_remote_ckpt_path_keeps_the_tracker_state_in_a_local_folder_keyed_by_it(test_config, tmp_path):
+def test_a_remote_ckpt_path_keeps_the_tracker_state_in_a_local_folder_keyed_by_it(test_config, tmp_path,
+                                                                                  monkeypatch):
     cfg = skyrl_config(tmp_path, ckpt_path="s3://bucket/team/ckpts")
     first, again = (skyrl_tracker.tracker_run_dir(cfg, test_config) for _ in range(2))
     assert first == again and first.parent == test_config.data_path / "tracker-state"
     assert "s3:" not in str(first) and first.name.startswith("bucket-team-ckpts-")
     other = skyrl_tracker.tracker_run_dir(skyrl_config(tmp_path, ckpt_path="s3://bucket/team/ckpts2"), test_config)
     assert other != first
+
+    # SkyRL's on_save hands over the remote folder: nothing is archived, and no `s3:` folder appears anywhere
+    monkeypatch.chdir(tmp_path)
+    with RunSession.start(test_config, first) as session:
+        assert not skyrl_tracker.log_adapter(session, "s3://bucket/team/ckpts/global_step_2", 2)
+        assert session.checkpoint_steps == frozenset()
+    assert (first / ".rlops-tracker" / "run.json").is_file()
+    assert not [p for root in (tmp_path, first) for p in root.rglob("s3:*")]

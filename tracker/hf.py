@@ -18,7 +18,9 @@ together; every other key keeps TRL's name (MLflow-illegal characters mapped as 
 
 `on_evaluate`: `eval_<name>` -> `eval/<data_source>/<name>`, and `eval_<score_metric>` (default
 `eval_reward`) -> `eval/<data_source>/avg_score`, linked to the checkpoint of the same step.
-`on_save`: the PEFT adapter in `<output_dir>/checkpoint-<step>/` is logged as a LoggedModel.
+`on_save`: the PEFT adapter in `<output_dir>/checkpoint-<step>/` is logged as a LoggedModel. Before the
+Trainer writes a checkpoint (`control.should_save` at `on_step_end`/`on_log`), the session's queued
+points are written to its spool, so resuming from that checkpoint after a kill -9 replays every lost step.
 The callback never ends the run: whoever started the session owns its end.
 """
 from __future__ import annotations
@@ -73,11 +75,17 @@ class TrackerCallback(TrainerCallback):
         self.eval_data_source = eval_data_source or session.config.training.eval_data_source
         self.score_metric = score_metric
 
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and control.should_save:
+            self.session.barrier()
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
             metrics = train_metrics(logs)
             if metrics:
                 self.session.log_metrics(metrics, step=state.global_step)
+            if control.should_save:
+                self.session.barrier()
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if state.is_world_process_zero and metrics:

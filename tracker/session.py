@@ -194,9 +194,22 @@ class RunSession:
     # ------------------------------------------------------------------------- training-thread hooks
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Hand one step's metrics over (timestamp fixed now); returns without waiting on MLflow."""
-        self._check_open()
-        self._outbox.put_metrics(check_metrics(metrics), check_step(step))
+        """Hand one step's metrics over (timestamp fixed now): checked and queued in memory, no I/O; the
+        spool writer thread writes them out within `outbox.WRITE_INTERVAL_S`."""
+        if self._ended:
+            self._check_open()
+        # the common case is checked inline: this runs on the training thread at every step
+        if type(metrics) is not dict:
+            check_metrics(metrics)
+        if type(step) is not int or step < 0:
+            check_step(step)
+        self._outbox.put_metrics(metrics, step)
+
+    def barrier(self) -> None:
+        """Write every point handed over so far to the spool. `log_checkpoint` and `log_eval` call it; a
+        trainer that resumes from checkpoints it saves itself calls it before each save, so a kill -9
+        loses no point of a step at or before the checkpoint it resumes from."""
+        self._outbox.barrier()
 
     def log_checkpoint(self, adapter_dir: Path, step: int) -> bool:
         """Snapshot the adapter folder now (the trainer may delete it next); upload in the background.
@@ -207,6 +220,7 @@ class RunSession:
             if step in self._checkpoint_steps:
                 return False
             self._checkpoint_steps.add(step)
+        self._outbox.barrier()  # before the checkpoint is declared (its job file written)
         try:
             self._uploader.add_checkpoint(Path(adapter_dir), step)
         except BaseException:
@@ -236,7 +250,9 @@ class RunSession:
         the checkpoint is logged before or after the eval. Returns how many points were logged (an eval of
         a step an earlier session of this run logged already is dropped)."""
         self._check_open()
-        return self._evals.log(check_metrics(metrics), check_step(step))
+        logged = self._evals.log(check_metrics(metrics), check_step(step))
+        self._outbox.barrier()  # the link file has the eval now; so must the spool
+        return logged
 
     def register_best(self, data_source: str | None = None) -> ModelVersion | None:
         """Register the checkpoint with the best `eval/<data_source>/<best_metric>` of this run into

@@ -38,12 +38,13 @@ EVAL_PREFIX = "eval/"
 
 
 def numeric(payload: Mapping[str, Any]) -> dict[str, float]:
-    """Numeric scalars of a SkyRL payload (it may also carry strings, lists or tensors)."""
+    """Numeric scalars of a SkyRL payload (it may also carry strings, lists or tensors); a bool counts as
+    0/1, as the session's own check takes it."""
     out = {}
     for key, value in payload.items():
         if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
             value = value.item()
-        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if isinstance(value, numbers.Real):
             out[key] = float(value)
     return out
 
@@ -106,17 +107,28 @@ class TrackerCallback(TrainingCallback):
         self.session = session
         self.register_best = register_best
         self.eval_data_source = eval_data_source
+        self._eval_step: int | None = None  # the step of the last on_eval_end
 
     def on_train_start(self, trainer, callback_input, control) -> None:
         self.session.log_metrics({"trainer/start_step": callback_input.global_step}, step=callback_input.global_step)
 
     def on_log(self, trainer, callback_input, control) -> None:
+        logs, step = callback_input.logs, callback_input.global_step
+        if logs and step != self._eval_step:
+            # the training thread's hot path: outside an eval step a payload holds no eval/* keys, so it
+            # goes over as it is (the session checks every value at C speed; no Python loop here)
+            try:
+                return self.session.log_metrics(logs, step)
+            except Exception:  # noqa: BLE001 - a string, list or tensor value: filtered below (the rest re-raise)
+                pass
+        logs = logs or {}
         # eval/* keys are in this payload too; on_eval_end already logged them, linked to the checkpoint
-        metrics = {k: v for k, v in numeric(callback_input.logs or {}).items() if not k.startswith(EVAL_PREFIX)}
+        metrics = {k: v for k, v in numeric(logs).items() if not k.startswith(EVAL_PREFIX)}
         if metrics:
-            self.session.log_metrics(metrics, step=callback_input.global_step)
+            self.session.log_metrics(metrics, step=step)
 
     def on_eval_end(self, trainer, callback_input, control) -> None:
+        self._eval_step = callback_input.global_step
         metrics = numeric(callback_input.metrics or {})
         if metrics:
             self.session.log_eval_metrics(metrics, step=callback_input.global_step)
@@ -143,9 +155,16 @@ def log_adapter(session: RunSession, folder: str | None, step: int) -> bool:
 
 
 class TrackedRayPPOTrainer(RayPPOTrainer):
-    """RayPPOTrainer whose HF export (`hf_save_interval`, which fires no callback event) is archived too."""
+    """RayPPOTrainer whose HF export (`hf_save_interval`, which fires no callback event) is archived too,
+    and whose checkpoint saves wait for the session's queued points to be spooled (`resume_mode=latest`
+    after a kill -9 then replays every step the tracker lost)."""
 
     rlops_session: RunSession | None = None
+
+    def save_checkpoints(self) -> str:
+        if self.rlops_session is not None:
+            self.rlops_session.barrier()
+        return super().save_checkpoints()
 
     def save_models(self) -> None:
         super().save_models()
