@@ -71,6 +71,9 @@ class TrackingConfig(_Section):
     register_aliases: list[Alias] = Field(default_factory=lambda: ["candidate"],
                                         description="aliases register_best sets; never a served alias unless listed")
     register_on_eval: bool = Field(False, description="also register the best checkpoint after each linked eval")
+    beat_base_max_p: float | None = Field(
+        0.05, gt=0, le=1, description="register the best checkpoint only if it beats the step-0 eval (the base) "
+        "on the same mazes by the paired sign test at p below this; None registers it regardless")
     keep_best_checkpoints: int | None = Field(None, ge=1, description="retention: keep the best k + the latest "
                                               "checkpoints (and registered ones); None keeps all")
 
@@ -217,6 +220,8 @@ class LocalTrainingConfig(_Section):
     # 900 steps gave ~0.69, and lr >= 1.5e-3 was worse and less stable across seeds.
     sft_steps: int = Field(1200, ge=0)
     sft_learning_rate: float = Field(7e-4, gt=0)
+    sft_optimal_fraction: float = Field(1.0, ge=0, le=1, description="share of SFT targets that are BFS-optimal "
+                                        "answers; the rest are random walks that read the walls but guess at junctions")
     seed: int = 0
 
     @field_validator("maze_sizes")
