@@ -434,8 +434,9 @@ class BudgetCallback(TrainerCallback):
 
 
 def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callbacks: list, processor):
-    """TRL's GRPOTrainer for the maze: LoRA on the language model, the shaped reward for training and the
-    unshaped one logged beside it (weight 0), checkpoints every min(eval, ckpt) interval."""
+    """TRL's GRPOTrainer for the maze: LoRA on the language model, the task reward (or, with `reward:
+    shaped`, the shaped one) for training and the other logged beside it (weight 0), checkpoints every
+    min(eval, ckpt) interval."""
     import torch
     from peft import LoraConfig
     from transformers import AutoModelForImageTextToText
@@ -448,7 +449,8 @@ def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callback
         output_dir=str(run_dir), max_steps=steps, learning_rate=local.learning_rate, lr_scheduler_type="constant",
         per_device_train_batch_size=local.num_generations * local.prompts_per_step,
         num_generations=local.num_generations, max_completion_length=local.max_completion_tokens,
-        temperature=local.temperature, beta=local.beta, reward_weights=[1.0, 0.0],
+        temperature=local.temperature, beta=local.beta,
+        reward_weights=[1.0, 0.0] if local.reward == "shaped" else [0.0, 1.0],
         use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", logging_steps=1,
         # full checkpoints (optimizer, scheduler, RNG, global step): a rerun on the run dir resumes from them
         save_strategy="steps", save_steps=min(local.ckpt_interval, local.eval_interval), save_only_model=False,
