@@ -2,7 +2,7 @@
 
 Baseline = the SFT base (what GRPO starts from), measured in the same run on the same mazes: the fixed local
 eval set (`maze_2d/local7`, 64 mazes) and 256 further held-out mazes (`maze_2d/local7-heldout`: distinct
-layouts, none in the fixed set, never trained on). "After" is the last checkpoint of the budget (not the best one on the eval
+layouts, none in the fixed set, never trained on), with the exact paired sign test over the mazes. "After" is the last checkpoint of the budget (not the best one on the eval
 set, which would be a selected, optimistic number). Each model is scored twice: greedy (the goal's metric,
 Wilson intervals) and pass@1 of `training.local.eval_samples` answers per maze sampled at the training
 temperature, which is what GRPO optimises (intervals over per-maze rates). Also prints seconds per GRPO step
@@ -23,8 +23,9 @@ from _results import record  # noqa: E402
 from rlops import stack  # noqa: E402
 from rlops.config import Config  # noqa: E402
 from rlops.processes import free_port  # noqa: E402
+from tracker.baseline import compare, outcomes  # noqa: E402
 
-GOAL = "held-out solve rate after GRPO > before beyond the 95% intervals (aim +25 points), 256 mazes"
+GOAL = "held-out greedy solve rate after GRPO >= before + 10 points with paired p < 0.01, 256 mazes"
 PNG = Path(__file__).with_name("local_training.png")
 
 
@@ -108,6 +109,9 @@ def main() -> None:
                   f"  after {ra:.3f} [{ca[0]:.3f}, {ca[1]:.3f}]  delta {100 * (ra - rb):+.1f} points  "
                   f"beyond the intervals: {'yes' if ca[0] > cb[1] else 'no'}")
     heldout = sets[1].data_source
+    for maze_set in sets:
+        paired = compare(outcomes(before[maze_set.data_source].rows), outcomes(after[maze_set.data_source].rows))
+        print(f"{maze_set.data_source:<24} greedy paired sign test: {paired.describe()}")
     plot(result, before, after, heldout, PNG)
     print(f"curve written to {PNG}")
     b, a = before[heldout].solve_rate, after[heldout].solve_rate

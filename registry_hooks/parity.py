@@ -5,17 +5,16 @@ version's LoggedModel (`served/<data_source>/avg_score`) and the differing mazes
 """
 from __future__ import annotations
 
-import json
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from registry_hooks import registry
 from registry_hooks.sync import NotFound, PromotionError
 from rlops.config import Config
-from rlops.layout import EVAL_TABLE_DIR, TAG_STEP
+from rlops.layout import TAG_STEP
+from tracker.evals import table_artifact
+from tracker.registry import eval_outcomes
 
 SERVED_METRIC = "served/{data_source}/avg_score"
 REQUEST_WORKERS = 4
@@ -49,17 +48,11 @@ def compare(tracked: dict[int, bool], served: dict[int, bool]) -> list[int]:
 
 def tracked_rows(client, run_id: str, data_source: str, step: int) -> dict[int, bool]:
     """seed -> solved, from the tracker's per-maze table of `data_source` at `step`."""
-    path = f"{EVAL_TABLE_DIR}/{data_source}/step_{step:06d}.json"
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            local = client.download_artifacts(run_id, path, tmp)
-        except Exception:  # noqa: BLE001 - MLflow raises several types for a missing artifact
-            raise NotFound(f"the run {run_id} has no eval table {path}: the checkpoint was not evaluated on "
-                           f"{data_source}") from None
-        table = json.loads(Path(local).read_text())
-    columns = table["columns"]
-    seed, solved = columns.index("seed"), columns.index("solved")
-    return {int(row[seed]): bool(row[solved]) for row in table["data"]}
+    rows = eval_outcomes(client, run_id, data_source, step)
+    if rows is None:
+        raise NotFound(f"the run {run_id} has no eval table {table_artifact(data_source, step)}: the checkpoint "
+                       f"was not evaluated on {data_source}")
+    return rows
 
 
 def verify_served(config: Config, model: str, *, alias: str | None, version: int | None, endpoint: str,

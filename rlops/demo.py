@@ -42,6 +42,7 @@ class DemoSummary:
     solve_rate_after: float | None = None
     served_version: str | None = None
     parity: dict | None = None  # promote verify's report on the production version
+    registration_refused: str | None = None  # why the run registered nothing (it did not beat its base)
     answer: str = ""
     solved: bool | None = None
     urls: dict[str, str] = field(default_factory=dict)
@@ -101,9 +102,10 @@ def _hooks_secret(config: Config) -> str:
     return config.hooks.secret or stack.secret_file(config.data_path / HOOKS_SECRET_FILE, lambda: secrets.token_urlsafe(32))
 
 
-def _endpoint_ready(base_url: str, wanted: str, version: int) -> bool:
-    """The endpoint lists `wanted` at `version` (its routes refresh within the staleness bound) and answers
-    it: the ingress lists models before the vLLM replica has loaded, so only an answer proves readiness."""
+def _endpoint_ready(base_url: str, wanted: str, version: int | None) -> bool:
+    """The endpoint lists `wanted` at `version` (None: the base, listed without one; routes refresh within
+    the staleness bound) and answers it: the ingress lists models before the vLLM replica has loaded, so
+    only an answer proves readiness."""
     response = httpx.get(f"{base_url}/models", timeout=5)
     listed = {m["id"]: m.get("metadata", {}).get("version") for m in response.json()["data"]} if response.status_code == 200 else {}
     if listed.get(wanted) != version:
@@ -115,10 +117,6 @@ def _endpoint_ready(base_url: str, wanted: str, version: int) -> bool:
 def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
              echo: Callable[[str], None] = print) -> DemoSummary:
     """Run every stage; raise DemoError naming the failed stage. Leaves the stack, hooks and serving up."""
-    from mlflow import MlflowClient
-
-    from registry_hooks import Refused, promote
-    from registry_hooks.service import register_webhook
     from training import datasets as ds
     from training import local_trainer
     from training.maze import render, walk_answer
@@ -148,39 +146,23 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
                                      log=lambda line: echo(f"    {line}"))
         summary.run_id, summary.version = result.run_id, result.registered_version
         summary.solve_rate_before, summary.solve_rate_after = result.before, result.after
+        summary.registration_refused = result.registration_refused
+        outcome = (f"{result.registration_refused}; production keeps its current version"
+                   if result.registration_refused else f"registered {model} v{result.registered_version}")
         echo(f"    run {result.run_id}: {result.steps} steps, {result.eval_data_source} solve rate "
-             f"{result.before} -> {result.after}; registered {model} v{result.registered_version}")
-        if result.registered_version is None:
+             f"{result.before} -> {result.after}; {outcome}")
+        if result.registered_version is None and not result.registration_refused:
             raise DemoError("training registered no checkpoint (no eval ran); nothing to promote")
-    version = int(result.registered_version)
+    version = int(result.registered_version) if result.registered_version is not None else None
     # Promotion checks adapters against the served base, and serving loads it: both use the trained-on base.
     config = config.model_copy(update={"serving": config.serving.model_copy(update={"model_source": str(base)})})
     base_env = {"RLOPS_SERVING__MODEL_SOURCE": str(base)}
 
     with progress.stage("promotion: staging via webhook, production via promote"):
-        secret = _hooks_secret(config)
-        hooks_config = config.model_copy(update={"hooks": config.hooks.model_copy(update={"secret": secret})})
-        hooks_url = f"http://{config.hooks.host}:{config.hooks.port}"
-        processes.stop(config.data_path, "hooks")  # restart: it must check adapters against this run's base
-        record = _start_cli(config, "hooks", ["hooks", "serve"],
-                            _child_env(config, config_path, {**base_env, "RLOPS_HOOKS__SECRET": secret}))
-        processes.wait_healthy(record, lambda: stack.http_ok(f"{hooks_url}/healthz"), 60, "webhook receiver")
-        register_webhook(hooks_config)
-        time.sleep(WEBHOOK_CACHE_TTL_S)  # the server caches its webhook list; a fresh one is seen after the TTL
-        started = time.monotonic()
-        MlflowClient(config.tracking_uri).set_registered_model_alias(model, "staging", str(version))
-        processes.wait_healthy(None, lambda: _published_or_refused(config, model, "staging", version), 90,
-                               "staging published by the webhook/reconciler")
-        refused = _manifest(config, model).refused.get("staging")
-        if refused is not None and refused.version == version:
-            raise DemoError(f"promotion of v{version} to staging was refused: {refused.reason}")
-        echo(f"    webhook path: plain MlflowClient set {model}@staging -> v{version}; "
-             f"manifest published {time.monotonic() - started:.1f} s later")
-        try:
-            report = promote(config, model, to_alias="production", from_alias="staging", trigger="demo")
-            echo(f"    promote {model} --from staging --to production: serving v{report.served.get('production')}")
-        except Refused as exc:
-            echo(f"    promote refused (guardrail): {exc}")
+        if version is None:
+            echo("    skipped: this run registered nothing that beat its base")
+        else:
+            _promote(config, config_path, model, version, base_env, echo)
 
     with progress.stage("serving: Ray Serve LLM endpoint on vLLM"):
         record = processes.read_record(config.data_path, "serve")
@@ -189,21 +171,27 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
                 echo(f"    reusing the endpoint already running at {base_url}")
             else:
                 record = _start_cli(config, "serve", ["serve"], _child_env(config, config_path, base_env))
-        wanted = f"{config.serving.base_model_id}:{model}"
-        production = _manifest(config, model).aliases["production"].version
+        route = _manifest(config, model).aliases.get("production")
+        production = route.version if route is not None else None
+        # nothing in production yet (no run beat its base): the endpoint serves the base model alone
+        wanted = f"{config.serving.base_model_id}:{model}" if route is not None else config.serving.base_model_id
         waited = processes.wait_healthy(
             record if record is not None and record.process() is not None else None,
             lambda: _endpoint_ready(base_url, wanted, production), SERVE_READY_TIMEOUT_S, "endpoint")
-        echo(f"    {base_url} lists {wanted} at v{production} ({waited:.1f} s)")
+        echo(f"    {base_url} lists {wanted}" + (f" at v{production}" if production else " (no production version)")
+             + f" ({waited:.1f} s)")
 
     with progress.stage("parity: the served answers against the tracked eval (promote verify)"):
         from registry_hooks.parity import verify_served
 
-        report = verify_served(config, model, alias="production", version=None, api_key=os.environ.get("RLOPS_DEMO_API_KEY"),
-                               endpoint=base_url.removesuffix("/v1"))
-        summary.parity = report.to_dict()
-        echo(f"    {report.served_name} (v{report.version}): served {report.served:.4f} vs tracked {report.tracked:.4f} "
-             f"on {report.data_source}; {report.matching}/{report.mazes} mazes agree")
+        if production is None:
+            echo("    skipped: no production version")
+        else:
+            report = verify_served(config, model, alias="production", version=None,
+                                   api_key=os.environ.get("RLOPS_DEMO_API_KEY"), endpoint=base_url.removesuffix("/v1"))
+            summary.parity = report.to_dict()
+            echo(f"    {report.served_name} (v{report.version}): served {report.served:.4f} vs tracked "
+                 f"{report.tracked:.4f} on {report.data_source}; {report.matching}/{report.mazes} mazes agree")
 
     with progress.stage("answer a maze through the openai client"):
         from openai import OpenAI
@@ -211,7 +199,7 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
         maze = ds.local_eval_set(config.training.local.eval_size).mazes()[0]
         client = OpenAI(base_url=base_url, api_key=os.environ.get("RLOPS_DEMO_API_KEY", "none"))
         raw = client.chat.completions.with_raw_response.create(
-            model=f"{config.serving.base_model_id}:{model}", temperature=0,
+            model=wanted, temperature=0,
             max_tokens=config.training.local.max_completion_tokens,
             messages=[{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": image_data_url(render(maze))}},
@@ -224,6 +212,39 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
         echo(f"    model {completion.model} (x-rlops-model-version: {summary.served_version}) answered "
              f"{summary.answer!r}: {'solves' if summary.solved else 'does not solve'} maze seed {maze.seed}")
     return summary
+
+
+def _promote(config: Config, config_path: str | None, model: str, version: int, base_env: dict[str, str],
+             echo: Callable[[str], None]) -> None:
+    """Staging through the webhook path (a plain MLflow client moves the alias), production via promote."""
+    from mlflow import MlflowClient
+
+    from registry_hooks import Refused, promote
+    from registry_hooks.service import register_webhook
+
+    secret = _hooks_secret(config)
+    hooks_config = config.model_copy(update={"hooks": config.hooks.model_copy(update={"secret": secret})})
+    hooks_url = f"http://{config.hooks.host}:{config.hooks.port}"
+    processes.stop(config.data_path, "hooks")  # restart: it must check adapters against this run's base
+    record = _start_cli(config, "hooks", ["hooks", "serve"],
+                        _child_env(config, config_path, {**base_env, "RLOPS_HOOKS__SECRET": secret}))
+    processes.wait_healthy(record, lambda: stack.http_ok(f"{hooks_url}/healthz"), 60, "webhook receiver")
+    register_webhook(hooks_config)
+    time.sleep(WEBHOOK_CACHE_TTL_S)  # the server caches its webhook list; a fresh one is seen after the TTL
+    started = time.monotonic()
+    MlflowClient(config.tracking_uri).set_registered_model_alias(model, "staging", str(version))
+    processes.wait_healthy(None, lambda: _published_or_refused(config, model, "staging", version), 90,
+                           "staging published by the webhook/reconciler")
+    refused = _manifest(config, model).refused.get("staging")
+    if refused is not None and refused.version == version:
+        raise DemoError(f"promotion of v{version} to staging was refused: {refused.reason}")
+    echo(f"    webhook path: plain MlflowClient set {model}@staging -> v{version}; "
+         f"manifest published {time.monotonic() - started:.1f} s later")
+    try:
+        report = promote(config, model, to_alias="production", from_alias="staging", trigger="demo")
+        echo(f"    promote {model} --from staging --to production: serving v{report.served.get('production')}")
+    except Refused as exc:
+        echo(f"    promote refused (guardrail): {exc}")
 
 
 def where_to_look(config: Config, summary: DemoSummary) -> str:

@@ -13,7 +13,7 @@ import pytest
 from training import datasets as ds
 from training.maze import (
     AGENT_RGB, CELL_PX, FEEDBACK_OK, FEEDBACK_WALL, STOP, TARGET_RGB, WALL_RGB, MazeEpisode, answer_text,
-    demonstration, generate_maze, move, parse_action, render, solve, walk_answer,
+    demonstration, generate_maze, move, parse_action, random_walk, render, solve, walk_answer,
 )
 
 # Pinned once; a change means every eval score before it is no longer comparable.
@@ -229,3 +229,19 @@ def test_cli_data_build_writes_the_sets_and_validates_counts(tmp_path):
     assert len(ds.read_rows(tmp_path / "datasets" / "skyrl" / "train.parquet")) == 8
     bad = runner.invoke(main, ["data", "build", "--local-train", "0"], env=env)
     assert bad.exit_code != 0 and "--local-train" in bad.output
+
+
+def test_random_walks_read_the_walls_and_guess_at_junctions():
+    rng = random.Random(0)
+    ends = set()
+    for seed in range(30):
+        maze = generate_maze(seed, 7)
+        here, previous = maze.start, None
+        for direction in random_walk(maze, rng):
+            nxt = move(maze, here, direction)
+            assert nxt is not None and nxt != previous  # never into a wall, never straight back
+            previous, here = here, nxt
+        options = [d for d in range(4) if move(maze, here, d) not in (None, previous)]
+        assert here == maze.goal or not options  # ends on the target or in a dead end
+        ends.add(here == maze.goal)
+    assert ends == {True, False}  # some walks guess right, some do not

@@ -4,6 +4,8 @@
 they have not all landed, the registration becomes a job in the run dir (tag `rlops.registration=pending`)
 that the uploader runs once they have, in this session or the next one on the run dir (or `rlops runs
 flush`). With `tracking.register_on_eval`, each newly linked eval re-picks the best of its eval set.
+Only a checkpoint that beats the base registers: the step-0 eval of the same eval set is the base's
+score, and the two per-maze tables are compared by `tracker.baseline` (`tracking.beat_base_max_p`).
 What to register and what to delete after is `tracker.registry`'s part.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 
 from rlops.config import Config
-from tracker import registry
+from tracker import baseline, registry
 from tracker.evals import eval_source
 from tracker.naming import eval_key
 from tracker.rest import MlflowRest
@@ -44,6 +46,7 @@ class Registration:
         self._points_landed = points_landed
         self._queue = queue
         self.registered: ModelVersion | None = None
+        self.refused: str | None = None  # why the last registration registered nothing, if it did not
 
     def register_best(self, source: str) -> ModelVersion | None:
         """Register now if everything landed in time, else queue it (returns None then, and when no
@@ -82,6 +85,13 @@ class Registration:
         if not scored:
             log.warning("register_best: no checkpoint of run %s carries %s", self._run_id, key)
             return None
+        refusal = self._refusal(source, scored[0].step)
+        if refusal is not None:
+            log.warning("register_best: %s", refusal)
+            self._client.set_tag(self._run_id, TAG_REGISTRATION, refusal)
+            self.refused = refusal
+            return None
+        self.refused = None
         name = self._config.registered_model
         version = registry.register_checkpoint(self._client, name, self._run_id, scored[0], key,
                                                self._config.tracking.register_aliases)
@@ -93,3 +103,19 @@ class Registration:
             for model_id in registry.retention_victims(models, scored, keep_best, protected):
                 self._client.delete_logged_model(model_id)
         return version
+
+    def _refusal(self, source: str, best_step: int) -> str | None:
+        """Why the checkpoint of `best_step` may not register (it did not beat the step-0 eval by the paired
+        test), or None. A run without a step-0 per-maze table of `source` has no base to compare with."""
+        max_p = self._config.tracking.beat_base_max_p
+        if max_p is None:
+            return None
+        base = registry.eval_outcomes(self._client, self._run_id, source, 0)
+        best = registry.eval_outcomes(self._client, self._run_id, source, best_step) if best_step else base
+        if base is None or best is None:
+            log.warning("register_best: run %s has no per-maze table of %s at step 0 and step %d: the best "
+                        "checkpoint is not compared with the base", self._run_id, source, best_step)
+            return None
+        comparison = baseline.compare(base, best)
+        log.info("register_best: %s on %s", comparison.describe(), source)
+        return None if comparison.beats(max_p) else comparison.refusal()

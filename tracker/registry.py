@@ -4,7 +4,10 @@ Selection is pure (`rank_checkpoints`) and compares one eval set only (`eval/<da
 linked to each LoggedModel); the rest are thin MlflowClient calls."""
 from __future__ import annotations
 
+import json
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModel
@@ -13,6 +16,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 
 from tracker.checkpoints import MODEL_TYPE, TAG_STEP
+from tracker.evals import table_artifact
 
 TAG_RUN_ID = "rlops.run_id"
 TAG_METRIC_KEY = "rlops.metric_key"
@@ -40,6 +44,19 @@ def run_checkpoints(client: MlflowClient, experiment_id: str, run_id: str) -> li
         token = page.token
         if not token:
             return models
+
+
+def eval_outcomes(client: MlflowClient, run_id: str, data_source: str, step: int) -> dict[int, bool] | None:
+    """seed -> solved from the per-maze table the tracker logged for `data_source` at `step`; None if absent."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            local = client.download_artifacts(run_id, table_artifact(data_source, step), tmp)
+        except Exception:  # noqa: BLE001 - MLflow raises several types for a missing artifact
+            return None
+        table = json.loads(Path(local).read_text())
+    columns = table["columns"]
+    seed, solved = columns.index("seed"), columns.index("solved")
+    return {int(row[seed]): bool(row[solved]) for row in table["data"]}
 
 
 def checkpoint_step(model: LoggedModel) -> int:

@@ -164,6 +164,11 @@ class RunSession:
         return self._registration.registered
 
     @property
+    def registration_refused(self) -> str | None:
+        """Why this session's last registration registered nothing (no checkpoint beat the base), if so."""
+        return self._registration.refused
+
+    @property
     def failed_requests(self) -> int:
         """How many metric requests to MLflow failed and were retried (an outage shows up here)."""
         return self._outbox.sender.failed_requests
@@ -238,11 +243,20 @@ class RunSession:
         rate = as_float("solve_rate", solve_rate)
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"solve_rate must be within [0, 1], got {rate}")
-        table = eval_table(rows, step)
+        eval_table(rows, step)  # bad rows raise before anything is logged
         metrics = check_metrics({} if metrics is None else metrics)
         logged = self.log_eval_metrics(
             {eval_key(data_source): rate, **{eval_key(data_source, k): v for k, v in metrics.items()}}, step)
-        if table and logged:
+        if logged:
+            self.log_eval_table(data_source, rows, step)
+
+    def log_eval_table(self, data_source: str, rows: list[dict], step: int) -> None:
+        """The per-maze table of an eval whose scores `log_eval_metrics` logged (SkyRL's path), which the
+        registration compares with the base's."""
+        self._check_open()
+        step = check_step(step)
+        table = eval_table(rows, step)
+        if table:
             self._uploader.add_table(table_artifact(data_source, step), table)
 
     def log_eval_metrics(self, metrics: Mapping[str, float], step: int) -> int:

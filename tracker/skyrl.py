@@ -15,6 +15,7 @@ Importing this module imports SkyRL; the rest of `tracker/` never does.
 """
 from __future__ import annotations
 
+import json
 import logging
 import numbers
 from pathlib import Path
@@ -130,8 +131,12 @@ class TrackerCallback(TrainingCallback):
     def on_eval_end(self, trainer, callback_input, control) -> None:
         self._eval_step = callback_input.global_step
         metrics = numeric(callback_input.metrics or {})
+        step = callback_input.global_step
         if metrics:
-            self.session.log_eval_metrics(metrics, step=callback_input.global_step)
+            self.session.log_eval_metrics(metrics, step=step)
+        # the per-maze outcomes too, which registration compares with the base's (the step-0 eval)
+        for data_source, rows in dumped_eval_rows(trainer.cfg.trainer.export_path, step).items():
+            self.session.log_eval_table(data_source, rows, step)
 
     def on_save(self, trainer, callback_input, control) -> None:
         log_adapter(self.session, callback_input.ckpt_path, callback_input.global_step)
@@ -139,6 +144,28 @@ class TrackerCallback(TrainingCallback):
     def on_train_end(self, trainer, callback_input, control) -> None:
         if self.register_best:
             self.session.register_best(self.eval_data_source)
+
+
+def dumped_eval_rows(export_path: str | None, step: int) -> dict[str, list[dict]]:
+    """Per-maze rows of the eval SkyRL dumped at `step` (`trainer.dump_eval_results`, on by default:
+    `<export_path>/dumped_evals/global_step_<step>_evals/<data_source>.jsonl`), by data source. A maze is
+    solved when its reward is 1 (the VisGym task reward); rows without a maze seed are skipped."""
+    folder = Path(export_path or "") / "dumped_evals" / f"global_step_{step}_evals"
+    if not export_path or "://" in str(export_path) or not folder.is_dir():
+        return {}
+    rows: dict[str, list[dict]] = {}
+    for path in sorted(folder.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line) if line.strip() else {}
+            extras = entry.get("env_extras") or {}
+            seed = (extras.get("extra_info") or extras).get("seed")
+            if seed is None or "data_source" not in entry:
+                continue
+            score = entry.get("score")
+            reward = sum(score) if isinstance(score, list) else float(score or 0.0)
+            rows.setdefault(entry["data_source"], []).append(
+                {"seed": int(seed), "solved": reward >= 1.0, "steps": None, "final_distance": None})
+    return rows
 
 
 def log_adapter(session: RunSession, folder: str | None, step: int) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,7 +23,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from rlops.config import Config
 from training import datasets as ds
-from training.maze import Maze, WalkResult, answer_text, render, solve, walk_answer
+from training.maze import Maze, WalkResult, answer_text, random_walk, render, solve, walk_answer
 
 TINY_INIT_DIR = "tiny-init"
 TINY_INIT_MARKER = "rlops-tiny-init.json"
@@ -232,6 +233,7 @@ def _sft_settings(config: Config) -> dict:
     excluded = ds.local_eval_sets(local.eval_size)
     return {"architecture_sha256": architecture_digest(),
             "steps": local.sft_steps, "learning_rate": local.sft_learning_rate, "seed": local.seed,
+            "optimal_fraction": local.sft_optimal_fraction,
             "maze_sizes": local.maze_sizes, "eval_size": local.eval_size,
             "excluded_layouts_sha256": ds.layout_digest(m for s in excluded for m in s.mazes())}
 
@@ -264,24 +266,29 @@ def ensure_base(config: Config, *, log: Callable[[str], None] = print) -> Path:
     if marker.is_file() and json.loads(marker.read_text()).get("settings") == settings:
         return out
     init = ensure_tiny_init(config)
-    log(f"SFT warm start: {local.sft_steps} steps on BFS-optimal answers -> {out}")
+    log(f"SFT warm start: {local.sft_steps} steps ({local.sft_optimal_fraction:.0%} BFS-optimal answers, the rest "
+        f"random walks) -> {out}")
     report = sft(init, out, config)
     marker.write_text(json.dumps({"settings": settings, **report}, indent=2) + "\n")
     return out
 
 
 class _SftCollator:
-    """Batches (image, prompt, BFS answer) with the loss on the answer tokens only."""
+    """Batches (image, prompt, target answer) with the loss on the answer tokens only. A target is the
+    BFS-optimal answer with probability `optimal_fraction`, else a random walk (`training.maze.random_walk`),
+    drawn anew each time a maze comes round."""
 
-    def __init__(self, processor):
+    def __init__(self, processor, optimal_fraction: float = 1.0, seed: int = 0):
         self.processor = processor
+        self.optimal_fraction = optimal_fraction
+        self.rng = random.Random(seed)
         self.prompt = processor.apply_chat_template(prompt_messages(), tokenize=False, add_generation_prompt=True)
 
     def __call__(self, mazes: list[Maze]) -> dict:
         processor = self.processor
         processor.tokenizer.padding_side = "right"
         images = [maze_image(m) for m in mazes]
-        texts = [processor.apply_chat_template(prompt_messages(answer_text(solve(m))), tokenize=False) for m in mazes]
+        texts = [processor.apply_chat_template(prompt_messages(answer_text(self.target(m))), tokenize=False) for m in mazes]
         batch = processor(text=texts, images=images, padding=True, return_tensors="pt")
         prompt_len = len(processor(text=[self.prompt], images=images[:1])["input_ids"][0])
         labels = batch["input_ids"].clone()
@@ -289,6 +296,9 @@ class _SftCollator:
         labels[batch["attention_mask"] == 0] = -100
         batch["labels"] = labels
         return batch
+
+    def target(self, maze: Maze) -> list[int]:
+        return solve(maze) if self.rng.random() < self.optimal_fraction else random_walk(maze, self.rng)
 
 
 def sft(init_dir: Path, out_dir: Path, config: Config) -> dict:
@@ -310,7 +320,7 @@ def sft(init_dir: Path, out_dir: Path, config: Config) -> dict:
     )
     started = time.monotonic()
     if local.sft_steps > 0:
-        Trainer(model=model, args=args, train_dataset=mazes, data_collator=_SftCollator(processor)).train()
+        Trainer(model=model, args=args, train_dataset=mazes, data_collator=_SftCollator(processor, local.sft_optimal_fraction, local.seed)).train()
     seconds = time.monotonic() - started
     solve_rate = evaluate(model, processor, ds.local_eval_set(local.eval_size), local.max_completion_tokens).solve_rate
     Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -333,6 +343,7 @@ class TrainResult:
     curve: list[tuple[int, float]] = field(default_factory=list)  # (step, fixed-eval greedy solve rate)
     sampled_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, pass@1 at the training temperature)
     registered_version: str | None = None
+    registration_refused: str | None = None  # why nothing registered: no checkpoint beat the base
     adapter_dir: Path | None = None  # the last checkpoint's adapter folder
 
     # The fixed-eval score before training (step 0) and of the last checkpoint, for each decoding.
@@ -423,8 +434,9 @@ class BudgetCallback(TrainerCallback):
 
 
 def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callbacks: list, processor):
-    """TRL's GRPOTrainer for the maze: LoRA on the language model, the shaped reward for training and the
-    unshaped one logged beside it (weight 0), checkpoints every min(eval, ckpt) interval."""
+    """TRL's GRPOTrainer for the maze: LoRA on the language model, the task reward (or, with `reward:
+    shaped`, the shaped one) for training and the other logged beside it (weight 0), checkpoints every
+    min(eval, ckpt) interval."""
     import torch
     from peft import LoraConfig
     from transformers import AutoModelForImageTextToText
@@ -437,7 +449,8 @@ def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callback
         output_dir=str(run_dir), max_steps=steps, learning_rate=local.learning_rate, lr_scheduler_type="constant",
         per_device_train_batch_size=local.num_generations * local.prompts_per_step,
         num_generations=local.num_generations, max_completion_length=local.max_completion_tokens,
-        temperature=local.temperature, beta=local.beta, reward_weights=[1.0, 0.0],
+        temperature=local.temperature, beta=local.beta,
+        reward_weights=[1.0, 0.0] if local.reward == "shaped" else [0.0, 1.0],
         use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", logging_steps=1,
         # full checkpoints (optimizer, scheduler, RNG, global step): a rerun on the run dir resumes from them
         save_strategy="steps", save_steps=min(local.ckpt_interval, local.eval_interval), save_only_model=False,
@@ -474,7 +487,9 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
           fast: bool = False, resume: bool | None = None, log: Callable[[str], None] = print) -> TrainResult:
     """Run SFT (cached) if needed, GRPO + LoRA with the tracker, eval on the fixed set after each
     checkpoint, and register the best checkpoint (alias `candidate`). `fast` skips SFT and uses the
-    random-init tiny base (tests). Returns the curve and the before/after solve rates.
+    random-init tiny base (tests) and registers without comparing with that base. Returns the curve and the
+    before/after solve rates; a best checkpoint that did not beat the step-0 eval registers nothing
+    (`registration_refused` says why).
 
     A run dir whose run did not finish continues it: the trainer resumes from its latest checkpoint
     (weights, optimizer, scheduler, RNG, global step) and the MLflow run continues after its last step.
@@ -494,6 +509,8 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
     if not isinstance(budget_s, (int, float)) or isinstance(budget_s, bool) or not budget_s > 0:
         raise TrainingError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
     base = ensure_tiny_init(config) if fast else ensure_base(config, log=log)
+    if fast:  # a plumbing check on the random-init base: registration does not ask a checkpoint to beat it
+        config = config.model_copy(update={"tracking": config.tracking.model_copy(update={"beat_base_max_p": None})})
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     params = {**local.model_dump(), "base_model": str(base), "fast": fast, "steps": steps, "budget_s": budget_s,
@@ -536,6 +553,7 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
         result.sampled_curve = session.eval_history(eval_key(eval_set.data_source, SAMPLED_METRIC))
         version = session.register_best(result.eval_data_source)
         result.registered_version = version.version if version is not None else None
+        result.registration_refused = session.registration_refused
     last = run_dir / f"checkpoint-{result.steps}"
     result.adapter_dir = last if last.is_dir() else None
     return result

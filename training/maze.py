@@ -310,6 +310,22 @@ def walk_answer(maze: Maze, answer: str) -> WalkResult:
                       malformed=malformed, moves_past_goal=past_goal)
 
 
+def random_walk(maze: Maze, rng: random.Random) -> list[int]:
+    """A walk that reads the walls but not the way: from the start, never into a wall and never straight
+    back, each branch picked uniformly at random, until the target or a dead end (where it stops). An SFT
+    target that teaches perception (corridors, dead ends, where the target is) and leaves the decision at
+    each junction to be learnt from the task reward."""
+    here, previous, directions = maze.start, None, []
+    while here != maze.goal:
+        options = [d for d in DIRECTION_DELTAS if (n := move(maze, here, d)) is not None and n != previous]
+        if not options:
+            break
+        direction = options[rng.randrange(len(options))]
+        previous, here = here, move(maze, here, direction)
+        directions.append(direction)
+    return directions
+
+
 def answer_text(directions: list[int]) -> str:
     """The single-turn answer for a move list: direction words, then `stop`."""
     return " ".join([DIRECTION_WORDS[d] for d in directions] + ["stop"])

@@ -48,6 +48,7 @@ def recipe_overrides(config: Config) -> list[str]:
         "generator.use_conversation_multi_turn=true",
         "trainer.remove_microbatch_padding=false",
         f"trainer.eval_interval={training.eval_interval}",
+        "trainer.eval_before_train=true",  # the base's score: registration needs a checkpoint to beat it
         f"trainer.ckpt_interval={training.ckpt_interval}",
         f"trainer.hf_save_interval={training.hf_save_interval}",
         "trainer.resume_mode=latest",

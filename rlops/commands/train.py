@@ -73,6 +73,9 @@ def train(obj: CliContext, local: bool, steps: int | None, budget_s: float | Non
         if points:
             curve = ", ".join(f"{step}: {rate:.3f}" for step, rate in points)
             click.echo(f"eval {result.eval_data_source} {label} solve rate by step: {curve}")
+    if result.registration_refused:
+        click.echo(f"registered version: none: {result.registration_refused}")
+        return
     pending = ("(none: no checkpoint was evaluated, or the registration waits for pending uploads: "
                f"`rlops runs status {folder}`)")
     click.echo(f"registered version: {result.registered_version or pending}")
