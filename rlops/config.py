@@ -176,6 +176,8 @@ class ServingConfig(_Section):
     api_keys_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                                      description="env var with comma-separated API keys; unset = no auth")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_image_pixels: int = Field(4096 * 4096, ge=1, description="width x height cap of a request image, read from "
+                                  "its PNG/JPEG header before anything decodes it")
     secrets_name: str = Field("rlops-serving", description="Kubernetes Secret that --print-config references")
 
     @model_validator(mode="before")
