@@ -162,6 +162,20 @@ def test_up_refuses_occupied_port_and_leaves_nothing(tmp_path):
     assert processes.list_records(tmp_path / "d") == []
 
 
+def test_status_before_up_says_what_is_not_running(tmp_path):
+    path = write_config(tmp_path / "mlflow.yaml", {
+        "data_dir": str(tmp_path / "fresh"), "server": {"port": processes.free_port()},
+        "storage": {"endpoint_url": f"http://127.0.0.1:{free_s3_port()}"},
+    })
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | {"RLOPS_CONFIG": str(path)}
+    out = run_cli(["status"], env)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "not running: s3, mlflow" in out.stderr and "rlops up" in out.stderr
+    lines = out.stdout.splitlines()
+    assert any("s3" in line and "down" in line and "no credentials yet" in line for line in lines), out.stdout
+    assert any("mlflow" in line and "down" in line for line in lines), out.stdout
+
+
 def test_up_down_cycle_keeps_data_and_leaves_no_process(tmp_path):
     path = write_config(tmp_path / "mlflow.yaml", {
         "data_dir": str(tmp_path / "d"), "server": {"port": processes.free_port()},
