@@ -472,6 +472,14 @@ def masked_dict(config: Config) -> dict[str, Any]:
     return {k: mask_value(k, v) for k, v in data.items()}
 
 
+def serving_api_key(config: Config, environ: Mapping[str, str] | None = None) -> str | None:
+    """The key rlops's own clients (demo, `promote verify`) send: the first of `serving.api_keys_env`'s
+    comma-separated keys; None when auth is off."""
+    environ = os.environ if environ is None else environ
+    name = config.serving.api_keys_env
+    return (environ.get(name, "").split(",")[0].strip() or None) if name else None
+
+
 # ------------------------------------------------------------------------------------------ S3 credentials
 
 S3_CREDENTIALS_FILE = "s3-credentials.json"
