@@ -32,7 +32,7 @@ from _scratch import scratch_stack  # noqa: E402
 
 from registry_hooks import sync_model  # noqa: E402
 from rlops import stack  # noqa: E402
-from rlops.layout import RoutesManifest, AliasRoute, parse_s3_uri, routes_key, utc_now, version_folder  # noqa: E402
+from rlops.layout import TAG_SHA256, RoutesManifest, AliasRoute, parse_s3_uri, routes_key, utc_now, version_folder  # noqa: E402
 
 MODEL = "bench-promotion"
 RANK = 32
@@ -63,7 +63,7 @@ def register(config, adapter: Path) -> int:
     mlflow.set_registry_uri(config.tracking_uri)
     client = mlflow.MlflowClient()
     experiment_id = client.create_experiment("bench-promotion")
-    tags = {f"rlops.sha256.{p.name}": hashlib.sha256(p.read_bytes()).hexdigest() for p in adapter.iterdir()}
+    tags = {f"{TAG_SHA256}{p.name}": hashlib.sha256(p.read_bytes()).hexdigest() for p in adapter.iterdir()}
     logged = client.create_logged_model(experiment_id, name="lora-bench", tags=tags, model_type="lora-adapter")
     client.log_model_artifacts(logged.model_id, str(adapter))
     client.finalize_logged_model(logged.model_id, "READY")

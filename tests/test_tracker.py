@@ -10,7 +10,8 @@ from mlflow.entities import Metric
 
 from test_tracker_support import make_peft_adapter, metric_history
 from tracker import RunSession
-from tracker.checkpoints import TAG_SHA256, TAG_STEP, sha256_of
+from rlops.layout import TAG_SHA256, TAG_STEP
+from tracker.checkpoints import sha256_of
 from tracker.naming import eval_key, metric_key, redacted_params, split_param_changes
 from tracker.registry import rank_checkpoints, retention_victims
 from tracker.session import STATE_DIR, TAG_EXCEPTION_MESSAGE, TAG_EXCEPTION_TYPE, TAG_PARAM_CHANGED

@@ -29,7 +29,8 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 
 from rlops.config import Config, mask_uri, mask_value
 from tracker import registry, state
-from tracker.checkpoints import TABLE_DIR, TAG_BASE_MODEL, TAG_LORA_RANK, ArtifactUploader
+from rlops.layout import TAG_BASE_MODEL, TAG_LORA_RANK
+from tracker.checkpoints import TABLE_DIR, ArtifactUploader
 from tracker.evals import EvalLinks, eval_source
 from tracker.lock import RunDirLock
 from tracker.naming import as_float, eval_key, metric_key, redacted_params, split_param_changes
