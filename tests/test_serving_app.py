@@ -502,7 +502,12 @@ def test_fuzzed_chat_bodies_get_no_5xx_and_openai_shaped_errors(served: ServedAp
         "temperature": st.sampled_from([-1, 0, 0.7, 3, "hot"]), "n": st.sampled_from([0, 1, 2, -1, "x"]),
         "top_logprobs": st.sampled_from([1, 10_000, -1]), "logprobs": st.booleans(), "stream": st.booleans(),
         "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=3), max_size=2), junk)})
+    valid = st.builds(lambda model, text, max_tokens, stream: {"model": model, "max_tokens": max_tokens, "stream": stream,
+                                                                "messages": [{"role": "user", "content": text}]},
+                      st.sampled_from([served.name(), served.name("@staging"), served.base]), st.text(min_size=1, max_size=20),
+                      st.sampled_from([1, 2]), st.booleans())
     bodies = st.one_of(
+        valid,  # the engine answers these (the rest are mostly refused before it)
         st.builds(lambda model, msgs, extra: {"model": model, "messages": msgs, **extra}, models, messages, sampling),
         junk.map(lambda value: {"model": served.name(), "messages": value, "max_tokens": 1}),
         junk,
