@@ -23,7 +23,7 @@ def scratch_stack(**sections: dict) -> Iterator[tuple[Config, Path]]:
             data[name] = {**data.get(name, {}), **keys}
         (root / "mlflow.yaml").write_text(json.dumps(data))
         config = load_config(root / "mlflow.yaml", environ={})
-        stack.up(config, timeout_s=120)
+        stack.up(config, timeout_s=300)  # MLflow needs > 120 s to start under a load average of 10+
         try:
             yield config, root
         finally:

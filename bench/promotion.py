@@ -115,7 +115,8 @@ def time_boto3_script(config, version: int) -> float:
     s3 = boto3.client("s3", **s3_client_kwargs(config))
     client.set_registered_model_alias(MODEL, "production", str(version))
     model_version = client.get_model_version(MODEL, str(version))
-    source = artifact_s3_location(config, client.get_logged_model(model_version.model_id).artifact_location)
+    model_id = model_version.model_id or model_version.source.removeprefix("models:/")
+    source = artifact_s3_location(config, client.get_logged_model(model_id).artifact_location)
     objects = s3.list_objects_v2(Bucket=source.bucket, Prefix=source.prefix + "/")["Contents"]
     files = {}
     for obj in sorted(objects, key=lambda o: o["Key"].endswith("adapter_config.json")):
