@@ -30,6 +30,7 @@ SECRETS = {name: f"{name.lower().replace('_', '-')}-{uuid.uuid4().hex}" for name
 
 def secret_environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RLOPS_", "MLFLOW_", "AWS_", "RAY_"))}
+    env["RAY_AUTH_MODE"] = "disabled"  # `ray start` turns token auth on by default; this session's clients have it off
     env.update({name: value for name, value in SECRETS.items() if name != "DB_PASSWORD"})
     env.update({"AWS_ACCESS_KEY_ID": "rlops-test-key-id", "MLFLOW_TRACKING_USERNAME": "admin",
                 "RLOPS_CONFIG": str(REPO / "mlflow.yaml"), "RLOPS_SERVING__API_KEYS_ENV": "SERVING_API_KEYS",
@@ -46,11 +47,12 @@ def ray_head():
     temp_dir = Path(tempfile.mkdtemp(prefix="rlray-", dir="/tmp"))  # short: Ray's socket paths have a length cap
     dashboard = free_port()
     env = secret_environment()
+    log = open(temp_dir.with_name(temp_dir.name + ".log"), "w+")  # beside the temp dir: read back if the head fails
     starter = subprocess.Popen(
         [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=1", "--num-gpus=0",
          f"--temp-dir={temp_dir}", "--disable-usage-stats", "--include-dashboard=true"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         from ray.job_submission import JobSubmissionClient
 
@@ -62,7 +64,8 @@ def ray_head():
                 break
             except Exception:  # noqa: BLE001 - the dashboard is not up yet
                 if time.monotonic() > deadline or starter.poll() is not None:
-                    raise
+                    log.seek(0)
+                    pytest.fail(f"ray start --head did not come up: {log.read()[-2000:]}")
                 time.sleep(2)
         yield address, temp_dir, env
     finally:
@@ -81,6 +84,8 @@ def ray_head():
             process.kill()
         starter.wait(timeout=30)
         shutil.rmtree(temp_dir, ignore_errors=True)
+        log.close()
+        os.unlink(log.name)
 
 
 def test_no_secret_reaches_ray_session_dir_or_job_info(ray_head):
