@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rlops.layout import TAG_STEP  # noqa: E402
 
 KEYS = [f"chaos/m{i:02d}" for i in range(20)]
 SOURCE = "maze_2d/chaos"
@@ -174,7 +175,7 @@ def count(config, run_dir: Path, final_step: int) -> dict:
     best = max(range(CKPT_EVERY, final_step + 1, CKPT_EVERY), key=lambda s: (score(s), s))
     try:
         candidate = client.get_model_version_by_alias(config.registered_model, "candidate")
-        wrong = int(candidate.tags.get("rlops.step") != str(best))
+        wrong = int(candidate.tags.get(TAG_STEP) != str(best))
     except Exception:  # noqa: BLE001 - no candidate at all is a wrong registration too
         wrong = 1
     missing = sorted(expected - set(seen))

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import record  # noqa: E402
 from _scratch import scratch_stack  # noqa: E402
 
+from rlops.layout import TAG_SHA256  # noqa: E402
 from rlops.processes import free_port  # noqa: E402
 
 MODEL = "bench-lora"
@@ -73,7 +74,7 @@ def register(config, client, folder: Path) -> int:
 
     experiment = client.get_experiment_by_name("bench-vllm-lora")
     experiment_id = experiment.experiment_id if experiment else client.create_experiment("bench-vllm-lora")
-    tags = {f"rlops.sha256.{p.name}": hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+    tags = {f"{TAG_SHA256}{p.name}": hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
     logged = client.create_logged_model(experiment_id, name="lora-bench", tags=tags, model_type="lora-adapter")
     client.log_model_artifacts(logged.model_id, str(folder))
     client.finalize_logged_model(logged.model_id, "READY")

@@ -24,7 +24,7 @@ import click
 
 from registry_hooks import operations
 from registry_hooks.sync import PromotionError, SyncReport, sync_model
-from rlops.config import Config, ConfigError, load_config
+from rlops.config import Config, ConfigError, load_config, serving_api_key
 
 EXIT_DRIFT = 6
 EXIT_PARITY = 7
@@ -284,10 +284,8 @@ def verify_command(ctx, model, alias, version, endpoint, as_json) -> None:
     config = _config(ctx)
     if alias is None and version is None:
         alias = config.registry.default_alias
-    key_env = config.serving.api_keys_env
-    api_key = (os.environ.get(key_env, "").split(",")[0].strip() or None) if key_env else None
     with handled(as_json):
-        report = verify_served(config, model, alias=alias, version=version, api_key=api_key,
+        report = verify_served(config, model, alias=alias, version=version, api_key=serving_api_key(config),
                                endpoint=endpoint or f"http://{config.serving.host}:{config.serving.port}")
     if as_json:
         click.echo(json.dumps(report.to_dict()))

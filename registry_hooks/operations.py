@@ -14,7 +14,8 @@ from registry_hooks.plan import drift, parse_time, referenced_folders, rollback_
 from registry_hooks.reconcile import ManifestCache, ModelState, read_states
 from registry_hooks.sync import NotFound, Promoter, PromotionError, Refused, SyncConflict, SyncReport
 from rlops.config import Config
-from rlops.layout import Collected, RoutesManifest, is_valid_alias, is_valid_name, utc_now, version_folder
+from rlops.layout import (TAG_FORCE, TAG_METRIC_KEY, TAG_METRIC_VALUE, Collected, RoutesManifest, is_valid_alias,
+                          is_valid_name, utc_now, version_folder)
 
 RECONCILER_STATUS = "reconciler"
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def promote(
         served = manifest.aliases.get(to_alias)
         reason = promoter.guard_refusal(model, version, served.version if served else None)
         if reason:
-            raise Refused(f"{reason}; use --force to promote anyway (it tags the version {registry.FORCE_TAG})")
+            raise Refused(f"{reason}; use --force to promote anyway (it tags the version {TAG_FORCE})")
     return _move_alias(promoter, model, to_alias, version, trigger=trigger, actor=actor, dry_run=dry_run,
                        override=f"promote --force --to {to_alias}" if guarded and force else None)
 
@@ -92,7 +93,7 @@ def _move_alias(promoter: Promoter, model: str, alias: str, version: int, *, tri
                           served={a: r.version for a, r in manifest.aliases.items()}, promoted={alias: version},
                           copy_mode=promoter.last_mode, warnings=["dry run: nothing was copied or changed"])
     if override:
-        registry.set_tags(promoter.mlflow, model, version, {registry.FORCE_TAG: f"{actor or 'unknown'} at {utc_now()}: {override}"})
+        registry.set_tags(promoter.mlflow, model, version, {TAG_FORCE: f"{actor or 'unknown'} at {utc_now()}: {override}"})
     registry.set_alias(promoter.mlflow, model, alias, version)
     report = promoter.sync(model, trigger=trigger, actor=actor)
     if report.served.get(alias) != version:
@@ -145,7 +146,7 @@ def list_models(config: Config, model: str | None = None) -> list[dict]:
             tags = mv.tags or {}
             versions.append({
                 "version": int(mv.version), "aliases": sorted(a for a, v in intent.items() if v == int(mv.version)),
-                "metric_key": tags.get(registry.METRIC_KEY_TAG), "metric_value": tags.get(registry.METRIC_VALUE_TAG),
+                "metric_key": tags.get(TAG_METRIC_KEY), "metric_value": tags.get(TAG_METRIC_VALUE),
                 "folder": tags.get(registry.FOLDER_TAG), "refused": tags.get(registry.REFUSED_TAG),
             })
         aliases = {

@@ -9,14 +9,8 @@ from mlflow.exceptions import MlflowException
 
 from registry_hooks.adapter import InvalidAdapter
 from rlops.config import Config
-from rlops.layout import S3Location, parse_s3_uri
+from rlops.layout import TAG_BASE_MODEL, TAG_EVAL_SET, TAG_METRIC_KEY, TAG_METRIC_VALUE, TAG_SHA256, S3Location, parse_s3_uri
 
-SHA256_TAG = "rlops.sha256."
-BASE_MODEL_TAG = "rlops.base_model"
-METRIC_KEY_TAG = "rlops.metric_key"
-METRIC_VALUE_TAG = "rlops.metric_value"
-EVAL_SET_TAG = "rlops.eval_set_sha256"  # optional: the guardrail refuses comparing scores of different eval sets
-FORCE_TAG = "rlops.force"  # "<who>: <why>" on a version: the guardrail lets it through (a registry-visible act)
 LEGACY_PRODUCTION_STAGE = "Production"
 LEGACY_PRODUCTION_ALIAS = "production"
 # Audit tags written on a version when it is published or refused.
@@ -144,10 +138,10 @@ def require_model(client: MlflowClient, model: str) -> None:
 
 def _metric(tags: dict[str, str]) -> tuple[str | None, float | None]:
     try:
-        value = float(tags[METRIC_VALUE_TAG]) if METRIC_VALUE_TAG in tags else None
+        value = float(tags[TAG_METRIC_VALUE]) if TAG_METRIC_VALUE in tags else None
     except ValueError:
         value = None
-    return tags.get(METRIC_KEY_TAG), value
+    return tags.get(TAG_METRIC_KEY), value
 
 
 def version_source(client: MlflowClient, model: str, version: int) -> VersionSource:
@@ -172,10 +166,10 @@ def version_source(client: MlflowClient, model: str, version: int) -> VersionSou
         artifact_uri = logged.artifact_location
         source_tags = dict(logged.tags or {})
     recorded = {**version_tags, **source_tags}
-    checksums = {k[len(SHA256_TAG):]: v.lower() for k, v in recorded.items() if k.startswith(SHA256_TAG)}
+    checksums = {k[len(TAG_SHA256):]: v.lower() for k, v in recorded.items() if k.startswith(TAG_SHA256)}
     metric_key, metric_value = _metric(version_tags)
-    return VersionSource(model, int(mv.version), artifact_uri, checksums, recorded.get(BASE_MODEL_TAG),
-                         metric_key, metric_value, version_tags, eval_set=version_tags.get(EVAL_SET_TAG))
+    return VersionSource(model, int(mv.version), artifact_uri, checksums, recorded.get(TAG_BASE_MODEL),
+                         metric_key, metric_value, version_tags, eval_set=version_tags.get(TAG_EVAL_SET))
 
 
 def artifact_s3_location(config: Config, artifact_uri: str) -> S3Location | None:

@@ -40,6 +40,7 @@ from rlops.layout import (
     AliasRoute,
     RoutesManifest,
     S3Location,
+    TAG_FORCE,
     parse_s3_uri,
     utc_now,
     version_folder,
@@ -294,7 +295,7 @@ class Promoter:
         if served is None or served == version:
             return None
         candidate = registry.version_source(self.mlflow, model, version)
-        if registry.FORCE_TAG in candidate.tags:
+        if TAG_FORCE in candidate.tags:
             return None
         try:
             current = registry.version_source(self.mlflow, model, served)
@@ -345,7 +346,7 @@ class Promoter:
                     losing = guarded and self.guard_refusal(model, version, current.version if current else None)
                     if losing:
                         held[alias] = ("guardrail", f"{losing}; to override, tag v{version} "
-                                                    f"{registry.FORCE_TAG}='<who>: <why>' (promote --force does)")
+                                                    f"{TAG_FORCE}='<who>: <why>' (promote --force does)")
                         continue
                     collected = version in manifest.collected_versions()  # gc came after an earlier round
                     if version in prepared and not collected:

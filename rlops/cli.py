@@ -70,7 +70,9 @@ def status(obj: CliContext) -> None:
     """Report each part of the stack; exit 1 if a managed part is not healthy."""
     parts = stack.status(obj.config)
     _print_status(parts)
-    if any(p.managed and not p.healthy for p in parts):
+    down = [p.name for p in parts if p.managed and not p.healthy]
+    if down:
+        click.echo(f"not running: {', '.join(down)} (`rlops up` starts the stack)", err=True)
         sys.exit(1)
 
 

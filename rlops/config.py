@@ -179,6 +179,8 @@ class ServingConfig(_Section):
     api_keys_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                                      description="env var with comma-separated API keys; unset = no auth")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_image_pixels: int = Field(4096 * 4096, ge=1, description="width x height cap of a request image, read from "
+                                  "its PNG/JPEG header before anything decodes it")
     secrets_name: str = Field("rlops-serving", description="Kubernetes Secret that --print-config references")
 
     @model_validator(mode="before")
@@ -477,6 +479,14 @@ def masked_dict(config: Config) -> dict[str, Any]:
     data["serving"]["model_source"] = config.base_model_source
     data["data_dir"] = str(config.data_path)
     return {k: mask_value(k, v) for k, v in data.items()}
+
+
+def serving_api_key(config: Config, environ: Mapping[str, str] | None = None) -> str | None:
+    """The key rlops's own clients (demo, `promote verify`) send: the first of `serving.api_keys_env`'s
+    comma-separated keys; None when auth is off."""
+    environ = os.environ if environ is None else environ
+    name = config.serving.api_keys_env
+    return (environ.get(name, "").split(",")[0].strip() or None) if name else None
 
 
 # ------------------------------------------------------------------------------------------ S3 credentials

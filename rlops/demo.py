@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 import httpx
 
 from rlops import processes, stack
-from rlops.config import Config
+from rlops.config import Config, serving_api_key
 from rlops.layout import RoutesManifest, parse_s3_uri
 
 HOOKS_SECRET_FILE = "hooks-secret"
@@ -102,16 +102,17 @@ def _hooks_secret(config: Config) -> str:
     return config.hooks.secret or stack.secret_file(config.data_path / HOOKS_SECRET_FILE, lambda: secrets.token_urlsafe(32))
 
 
-def _endpoint_ready(base_url: str, wanted: str, version: int | None) -> bool:
+def _endpoint_ready(base_url: str, wanted: str, version: int | None, api_key: str | None) -> bool:
     """The endpoint lists `wanted` at `version` (None: the base, listed without one; routes refresh within
     the staleness bound) and answers it: the ingress lists models before the vLLM replica has loaded, so
     only an answer proves readiness."""
-    response = httpx.get(f"{base_url}/models", timeout=5)
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.get(f"{base_url}/models", headers=headers, timeout=5)
     listed = {m["id"]: m.get("metadata", {}).get("version") for m in response.json()["data"]} if response.status_code == 200 else {}
     if listed.get(wanted) != version:
         return False
     body = {"model": wanted, "messages": [{"role": "user", "content": "move"}], "max_tokens": 1}
-    return httpx.post(f"{base_url}/chat/completions", json=body, timeout=5).status_code == 200
+    return httpx.post(f"{base_url}/chat/completions", json=body, headers=headers, timeout=5).status_code == 200
 
 
 def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
@@ -126,6 +127,7 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
     progress = Progress(7, summary, echo)
     model = config.registered_model
     base_url = f"http://{config.serving.host}:{config.serving.port}/v1"
+    api_key = serving_api_key(config)  # with serving.api_keys_env set, the demo's client sends the first key
     summary.urls = {"mlflow_ui": config.tracking_uri, "endpoint": base_url, "s3": config.storage.endpoint_url or ""}
 
     with progress.stage("stack: MLflow server + S3"):
@@ -177,7 +179,7 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
         wanted = f"{config.serving.base_model_id}:{model}" if route is not None else config.serving.base_model_id
         waited = processes.wait_healthy(
             record if record is not None and record.process() is not None else None,
-            lambda: _endpoint_ready(base_url, wanted, production), SERVE_READY_TIMEOUT_S, "endpoint")
+            lambda: _endpoint_ready(base_url, wanted, production, api_key), SERVE_READY_TIMEOUT_S, "endpoint")
         echo(f"    {base_url} lists {wanted}" + (f" at v{production}" if production else " (no production version)")
              + f" ({waited:.1f} s)")
 
@@ -187,8 +189,8 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
         if production is None:
             echo("    skipped: no production version")
         else:
-            report = verify_served(config, model, alias="production", version=None,
-                                   api_key=os.environ.get("RLOPS_DEMO_API_KEY"), endpoint=base_url.removesuffix("/v1"))
+            report = verify_served(config, model, alias="production", version=None, api_key=api_key,
+                                   endpoint=base_url.removesuffix("/v1"))
             summary.parity = report.to_dict()
             echo(f"    {report.served_name} (v{report.version}): served {report.served:.4f} vs tracked "
                  f"{report.tracked:.4f} on {report.data_source}; {report.matching}/{report.mazes} mazes agree")
@@ -197,7 +199,7 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
         from openai import OpenAI
 
         maze = ds.local_eval_set(config.training.local.eval_size).mazes()[0]
-        client = OpenAI(base_url=base_url, api_key=os.environ.get("RLOPS_DEMO_API_KEY", "none"))
+        client = OpenAI(base_url=base_url, api_key=api_key or "none")
         raw = client.chat.completions.with_raw_response.create(
             model=wanted, temperature=0,
             max_tokens=config.training.local.max_completion_tokens,

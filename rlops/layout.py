@@ -23,8 +23,18 @@ MAX_NAME_LENGTH = 256
 
 ROUTES_DIR = "_routes"
 ROUTES_STAMP = "_routes.stamp"
-# What the tracker records and promotion reads: the checkpoint's step tag, the per-maze eval tables' folder.
+# The tags that tie tracker and promotion together: the tracker writes them on LoggedModels and registered
+# versions, promotion reads them (checksums, base, guardrail metric), `promote --force` writes TAG_FORCE.
 TAG_STEP = "rlops.step"
+TAG_SHA256 = "rlops.sha256."  # + file name: the file's sha256, checked after every copy
+TAG_BASE_MODEL = "rlops.base_model"
+TAG_LORA_RANK = "rlops.lora_rank"
+TAG_RUN_ID = "rlops.run_id"
+TAG_METRIC_KEY = "rlops.metric_key"
+TAG_METRIC_VALUE = "rlops.metric_value"
+TAG_EVAL_SET = "rlops.eval_set_sha256"  # optional: the guardrail refuses comparing scores of different eval sets
+TAG_FORCE = "rlops.force"  # "<who>: <why>" on a version: the guardrail lets it through (a registry-visible act)
+# The per-maze eval tables' folder of a run.
 EVAL_TABLE_DIR = "eval_tables"  # rewritten after every manifest write or delete: readers list _routes/ when it moves
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -20,7 +20,7 @@ from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from rlops import processes
-from rlops.config import S3_CREDENTIALS_FILE, Config, mask_uri, s3_client_kwargs, s3_environment
+from rlops.config import S3_CREDENTIALS_FILE, Config, ConfigError, mask_uri, s3_client_kwargs, s3_environment
 
 MLFLOW = "mlflow"
 S3 = "s3"
@@ -260,9 +260,12 @@ def down(config: Config) -> list[str]:
 
 def status(config: Config) -> list[PartStatus]:
     s3_url = config.storage.endpoint_url or "(AWS default)"
+    try:
+        s3_ok, s3_detail = s3_healthy(config), f"bucket {config.storage.bucket}"
+    except ConfigError:  # a fresh data dir: `rlops up` has not generated the embedded S3's credentials yet
+        s3_ok, s3_detail = False, "no credentials yet (`rlops up` generates them)"
     parts = [
-        PartStatus(S3, config.storage.managed, _running(config, S3) is not None, s3_healthy(config), s3_url,
-                   f"bucket {config.storage.bucket}"),
+        PartStatus(S3, config.storage.managed, _running(config, S3) is not None, s3_ok, s3_url, s3_detail),
         PartStatus(MLFLOW, config.server.managed, _running(config, MLFLOW) is not None,
                    mlflow_healthy(config.tracking_uri), config.tracking_uri, mask_uri(config.backend_store_uri)),
     ]

@@ -62,6 +62,7 @@ def ingress_settings(config: Config) -> dict[str, Any]:
         "staleness_s": serving.routes_staleness_s,
         "relist_s": serving.routes_relist_s,
         "max_request_bytes": serving.max_request_bytes,
+        "max_image_pixels": serving.max_image_pixels,
         "api_keys_env": serving.api_keys_env,
     }
 

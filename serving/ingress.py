@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from typing import Any, AsyncIterator, Mapping
@@ -27,6 +28,7 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
 from ray.serve.llm.ingress import OpenAiIngress
 from rlops.layout import ModelNameError, Resolution, parse_s3_uri
 from serving.routes import RoutesCache, internal_model_id
+from serving.validation import RequestError, check_body
 
 # A child of Ray Serve's logger: replica logs with its request/replica context, at its level.
 log = logging.getLogger("ray.serve.rlops")
@@ -47,6 +49,7 @@ class IngressSettings(BaseModel):
     staleness_s: float = Field(gt=0)
     relist_s: float = Field(gt=0)
     max_request_bytes: int = Field(gt=0)
+    max_image_pixels: int = Field(gt=0)
     api_keys_env: str | None = None  # name of the env var with comma-separated keys; None = no auth
 
 
@@ -54,13 +57,16 @@ class ClientError(Exception):
     """An OpenAI-shaped error answer: status, message (client-safe), type, code, param."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
+                 param: str | None = None, retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+        self.retry_after_s = retry_after_s
 
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        headers = {"www-authenticate": "Bearer"} if self.status == 401 else None
+        headers = {"www-authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retry_after_s is not None:
+            headers["retry-after"] = str(self.retry_after_s)
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
@@ -89,7 +95,7 @@ def check_api_key(authorization: str | None, digests: frozenset[str] | None) -> 
         raise ClientError(401, "Invalid API key.", code="invalid_api_key")
 
 
-def parse_request(raw: bytes, request_cls: type[BaseModel]) -> Any:
+def parse_request(raw: bytes, request_cls: type[BaseModel], max_image_pixels: int) -> Any:
     """JSON body -> the OpenAI request model, or a 400 naming the first problem."""
     try:
         data = json.loads(raw)
@@ -100,6 +106,10 @@ def parse_request(raw: bytes, request_cls: type[BaseModel]) -> Any:
     if not isinstance(data.get("model"), str):
         raise ClientError(400, "'model' is required and must be a string.", code="invalid_model_name", param="model")
     try:
+        check_body(data, chat="messages" in request_cls.model_fields, max_image_pixels=max_image_pixels)
+    except RequestError as exc:
+        raise ClientError(400, exc.message, code=exc.code, param=exc.param) from None
+    try:
         return request_cls.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
@@ -107,21 +117,6 @@ def parse_request(raw: bytes, request_cls: type[BaseModel]) -> Any:
         raise ClientError(400, f"Invalid request: {first['msg']} at {where}.", param=where) from None
     except (TypeError, ValueError) as exc:  # vLLM's model validators raise these directly on odd shapes
         raise ClientError(400, f"Invalid request: {exc}.") from None
-
-
-def check_media(body: Any) -> None:
-    """Images travel inline as data URLs: the endpoint never fetches a URL a client names (an SSRF path
-    into the cluster) nor reads a server file (`file://`). vLLM would do both by default."""
-    for message in getattr(body, "messages", None) or ():
-        content = message.get("content") if isinstance(message, dict) else None
-        for part in content if isinstance(content, list) else ():
-            if not isinstance(part, dict) or part.get("type") != "image_url":
-                continue
-            image = part.get("image_url")
-            url = image.get("url") if isinstance(image, dict) else image
-            if not isinstance(url, str) or not url.startswith("data:"):
-                raise ClientError(400, "Images must be sent inline as data URLs (data:image/png;base64,...); this "
-                                  "endpoint does not fetch remote URLs.", code="invalid_image_url", param="messages")
 
 
 def resolve(table, raw_name: str) -> Resolution:
@@ -219,6 +214,8 @@ class AliasIngress(OpenAiIngress):
         )
         self._routes.start()
         self._metrics = IngressMetrics()
+        # A retry after one routes refresh sees whatever the registry now publishes for the name.
+        self._retry_after_s = max(1, math.ceil(self._settings.staleness_s))
 
     def __del__(self):  # Serve's graceful shutdown of the replica
         routes = getattr(self, "_routes", None)
@@ -279,8 +276,7 @@ class AliasIngress(OpenAiIngress):
         resolution: Resolution | None = None
         try:
             check_api_key(request.headers.get("authorization"), self._api_keys)
-            body = parse_request(await self._read_body(request), request_cls)
-            check_media(body)
+            body = parse_request(await self._read_body(request), request_cls, self._settings.max_image_pixels)
             resolution = resolve(self._routes.table, body.model)
             response = await self._forward(body, resolution, endpoint, request)
         except ClientError as err:
@@ -318,12 +314,16 @@ class AliasIngress(OpenAiIngress):
             status = exc.status_code
             detail = exc.message if isinstance(exc, OpenAIHTTPException) else str(exc.detail)
             if status == 404:
-                # Ray's LoRA loader answers 404 when the folder is gone (or S3 is unreachable).
-                raise ClientError(404, f"The model {client_name!r} is not available: its adapter could not be loaded.",
-                                  code="model_not_available", param="model") from None
+                # Ray's LoRA loader answers 404 when the folder is gone (or S3 is unreachable). The name resolved,
+                # so the manifest serves it: a transient miss (the next routes refresh may point elsewhere).
+                log.error("adapter of %s could not be loaded: %s", client_name, scrub(detail, *hide))
+                raise ClientError(503, f"The model {client_name!r} is not available right now: its adapter could not "
+                                  "be loaded.", type="server_error", code="model_not_available", param="model",
+                                  retry_after_s=self._retry_after_s) from None
             if status >= 500:
                 log.error("engine error for %s: %s", client_name, scrub(detail, *hide))
-                raise ClientError(status, f"The model {client_name!r} failed to answer.", type="server_error") from None
+                raise ClientError(status, f"The model {client_name!r} failed to answer.", type="server_error",
+                                  retry_after_s=self._retry_after_s if status == 503 else None) from None
             raise ClientError(status, scrub(detail, *hide)) from None
         except Exception as exc:  # noqa: BLE001 - anything else is ours: log it (scrubbed), answer a plain 500
             log.error("error serving %s: %s: %s", client_name, type(exc).__name__, scrub(str(exc), *hide))

@@ -81,7 +81,7 @@ def stack(tmp_path_factory) -> StackHandle:
     }
     path = write_config(root / "mlflow.yaml", data)
     config = load_config(path, environ={})
-    rlops_stack.up(config, timeout_s=90)
+    rlops_stack.up(config, timeout_s=240)  # MLflow takes > 90 s to start on a loaded 2-core machine
     handle = StackHandle(config, path)
     yield handle
     rlops_stack.down(config)

@@ -7,6 +7,8 @@ with offline `PeftModel` generation on the same base; alias moves go through the
 from __future__ import annotations
 
 import base64
+import collections
+import functools
 import io
 import json
 import os
@@ -421,6 +423,125 @@ def test_metrics_per_alias_and_logs_without_secrets(served: ServedApp):
     assert s3_credentials(served.config)[1] not in log
 
 
+@functools.cache
+def oversized_image_url() -> str:
+    """A real 5000x5000 PNG (one colour: ~25 kB compressed, 25 M pixels once decoded)."""
+    from PIL import Image
+
+    return data_url(Image.new("L", (5000, 5000)))
+
+
+def assert_openai_error(r: httpx.Response) -> dict:
+    error = r.json()["error"]
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
+    assert {"param", "code"} <= set(error)
+    return error
+
+
+def test_bad_chat_input_is_a_specific_400(served: ServedApp):
+    """Bodies vLLM itself would accept and then fail on (a 500) are refused by the ingress first."""
+    text = {"type": "text", "text": TEXT_PROMPT}
+    maze = {"type": "image_url", "image_url": {"url": data_url(maze_image())}}
+    oversized = {"type": "image_url", "image_url": {"url": oversized_image_url()}}
+    cases = [
+        ({"messages": []}, "empty_array", "'messages' is empty"),
+        ({"messages": [{"role": "wizard", "content": "move"}]}, "invalid_value", "supported roles"),
+        ({"messages": [{"role": "user", "content": [text, {"type": "input_audio",
+                                                          "input_audio": {"data": "AAAA", "format": "wav"}}]}]},
+         "unsupported_content", "'input_audio'"),
+        ({"messages": [{"role": "system", "content": [maze]}, {"role": "user", "content": "move"}]},
+         "unsupported_content", "only user messages"),
+        ({"messages": chat_messages(False), "max_tokens": 0}, "invalid_value", "'max_tokens' must be at least 1"),
+        ({"messages": [{"role": "user", "content": [oversized, text]}]}, "image_too_large", "5000x5000"),
+    ]
+    with httpx.Client(headers=served.headers(), timeout=30) as http:
+        for body, code, needle in cases:
+            r = http.post(f"{served.url}/v1/chat/completions", json={"model": served.name(), **body})
+            assert r.status_code == 400, (body, r.text)
+            error = assert_openai_error(r)
+            assert error["code"] == code and needle in error["message"] and error["type"] == "invalid_request_error"
+        r = http.post(f"{served.url}/v1/completions", json={"model": served.name(), "prompt": "move", "max_tokens": 0})
+        assert r.status_code == 400 and assert_openai_error(r)["param"] == "max_tokens"
+        # At the cap's side of the line the same image answers.
+        ok = http.post(f"{served.url}/v1/chat/completions",
+                       json={"model": served.name(), "messages": [{"role": "user", "content": [maze, text]}],
+                             "max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+
+
+def test_fuzzed_chat_bodies_get_no_5xx_and_openai_shaped_errors(served: ServedApp):
+    """Property test: >= 500 generated chat bodies (bad types, sizes, roles, content parts, images, sampling
+    values; a few valid ones) against the running ingress: no answer >= 500, every error OpenAI-shaped."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    images = st.sampled_from([data_url(maze_image()), oversized_image_url(), "http://169.254.169.254/x.png",
+                              "file:///etc/passwd", "data:image/png;base64,%%%", "data:image/png;base64,iVBORw0KGgo=",
+                              "data:image/gif;base64,R0lGODlhAQABAAAAACw="])
+    junk = st.one_of(st.none(), st.booleans(), st.integers(-2, 10**12), st.floats(allow_nan=False),
+                     st.text(max_size=8), st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=4),
+                                                                                                  st.integers(), max_size=2))
+    parts = st.one_of(
+        st.builds(lambda t: {"type": "text", "text": t}, st.one_of(st.text(max_size=30), junk)),
+        st.builds(lambda u: {"type": "image_url", "image_url": {"url": u}}, images),
+        st.builds(lambda u: {"type": "image_url", "image_url": u}, st.one_of(images, junk)),
+        st.builds(lambda t: {"type": t}, st.sampled_from(["input_audio", "video_url", "file", "refusal", ""])),
+        junk,
+    )
+    contents = st.one_of(st.text(max_size=40), st.lists(parts, max_size=3), junk,
+                         st.one_of(st.integers(1, 64), st.integers(2 * 1024 * 1024, 3 * 1024 * 1024)).map(
+                             lambda n: "move " * (n // 5)))
+    roles = st.one_of(st.sampled_from(["system", "developer", "user", "assistant", "tool", "function", "wizard"]),
+                      junk)
+    messages = st.one_of(st.lists(st.fixed_dictionaries({"role": roles, "content": contents}), max_size=3),
+                         st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=20)}),
+                                  min_size=1, max_size=2), junk)
+    models = st.one_of(st.sampled_from([served.name(), served.name("@staging"), served.name("@v2"), served.base,
+                                        served.name("@v99"), f"{served.base}:../x", "gpt-4"]), junk)
+    sampling = st.fixed_dictionaries({"max_tokens": st.sampled_from([-1, 0, 1, 2, "two", 2.5, 10**9])}, optional={
+        "temperature": st.sampled_from([-1, 0, 0.7, 3, "hot"]), "n": st.sampled_from([0, 1, 2, -1, "x"]),
+        "top_logprobs": st.sampled_from([1, 10_000, -1]), "logprobs": st.booleans(), "stream": st.booleans(),
+        "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=3), max_size=2), junk)})
+    valid = st.builds(lambda model, text, max_tokens, stream: {"model": model, "max_tokens": max_tokens, "stream": stream,
+                                                                "messages": [{"role": "user", "content": text}]},
+                      st.sampled_from([served.name(), served.name("@staging"), served.base]), st.text(min_size=1, max_size=20),
+                      st.sampled_from([1, 2]), st.booleans())
+    bodies = st.one_of(
+        valid,  # the engine answers these (the rest are mostly refused before it)
+        st.builds(lambda model, msgs, extra: {"model": model, "messages": msgs, **extra}, models, messages, sampling),
+        junk.map(lambda value: {"model": served.name(), "messages": value, "max_tokens": 1}),
+        junk,
+    )
+    statuses: list[int] = []
+    http = httpx.Client(headers=served.headers(), timeout=60)
+    started = time.monotonic()
+
+    @settings(max_examples=520, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(body=bodies)
+    def post(body):
+        # json.dumps writes inf/nan as Infinity/NaN (not JSON, but Python's parser reads them): sent as is.
+        r = http.post(f"{served.url}/v1/chat/completions", content=json.dumps(body).encode(),
+                      headers={"content-type": "application/json"})
+        statuses.append(r.status_code)
+        assert r.status_code < 500, (body if len(json.dumps(body)) < 2000 else "(large body)", r.status_code, r.text)
+        if r.status_code >= 400:
+            assert_openai_error(r)
+        elif r.headers["content-type"].startswith("text/event-stream"):
+            events = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            assert events and all(int(e.get("error", {}).get("code") or 0) < 500 for e in events), r.text
+        else:
+            assert r.json()["choices"]
+
+    try:
+        post()
+    finally:
+        http.close()
+    print(f"fuzz: {len(statuses)} bodies in {time.monotonic() - started:.1f} s, "
+          f"statuses {dict(sorted(collections.Counter(statuses).items()))}")
+    assert len(statuses) >= 500 and 200 in statuses and 400 in statuses
+
+
 # Tests below move aliases: they run last and put production back on v1.
 
 
@@ -496,3 +617,29 @@ def test_load_while_alias_flips_has_no_5xx_and_only_published_versions(served: S
     assert stale == [], f"{len(stale)} responses came from a version not published within the staleness bound"
     assert {r[3] for r in results} == {"1", "2"}
     served.move_alias("production", 1)
+
+
+def test_adapter_that_cannot_be_loaded_is_a_503_with_retry_after(served: ServedApp):
+    """A published version whose folder vanished from S3 (an eviction outside rlops) is a transient 503 that
+    says when to retry, not a 404 for a name the registry serves; the folder name stays hidden."""
+    import boto3
+
+    from rlops.config import s3_client_kwargs
+    from rlops.layout import parse_s3_uri, version_folder
+
+    version = register_adapter(served.config, served.adapters[1], step=3)
+    served.move_alias("staging", version)
+    served.move_alias("staging", 2)  # v3 stays addressable as @v3 (history)
+    location = parse_s3_uri(served.config.lora_path)
+    s3 = boto3.client("s3", **s3_client_kwargs(served.config))
+    listed = s3.list_objects_v2(Bucket=location.bucket, Prefix=location.key(version_folder(served.model, version)) + "/")
+    assert listed.get("Contents")
+    s3.delete_objects(Bucket=location.bucket, Delete={"Objects": [{"Key": o["Key"]} for o in listed["Contents"]]})
+    time.sleep(STALENESS_S)
+    r = httpx.post(f"{served.url}/v1/chat/completions", headers=served.headers(), timeout=120,
+                   json={"model": served.name(f"@v{version}"), "messages": chat_messages(False), "max_tokens": 1})
+    assert r.status_code == 503, r.text
+    assert int(r.headers["retry-after"]) >= 1
+    error = assert_openai_error(r)
+    assert error["code"] == "model_not_available" and "could not be loaded" in error["message"]
+    assert f"{served.model}-v" not in r.text.replace(served.name(f"@v{version}"), "") and "s3://" not in r.text

@@ -11,8 +11,9 @@ from mlflow.entities import Metric
 
 from test_tracker_support import make_peft_adapter, metric_history
 from tracker import RunSession
+from rlops.layout import TAG_SHA256, TAG_STEP
 from tracker import outbox as outbox_module
-from tracker.checkpoints import TAG_SHA256, TAG_STEP, sha256_of
+from tracker.checkpoints import sha256_of
 from tracker.lifecycle import TAG_EXCEPTION_MESSAGE, TAG_EXCEPTION_TYPE
 from tracker.naming import eval_key, metric_key, redacted_params, split_param_changes
 from tracker.outbox import MetricOutbox

@@ -155,7 +155,8 @@ def _tiny_local(config):
 @pytest.mark.slow
 def test_rerun_on_one_run_dir_continues_the_run_without_duplicate_steps(test_config, mlflow_client, tmp_path,
                                                                         monkeypatch):
-    from tracker.checkpoints import TAG_SHA256, sha256_of
+    from rlops.layout import TAG_SHA256
+    from tracker.checkpoints import sha256_of
     from training import local_trainer
 
     config, run_dir = _tiny_local(test_config), tmp_path / "run"

@@ -18,7 +18,7 @@ from typing import Any, Callable
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 
-from rlops.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TAG_STEP
+from rlops.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TAG_SHA256, TAG_STEP
 from tracker.sender import wait_for_worker
 
 log = logging.getLogger(__name__)
@@ -26,9 +26,6 @@ log = logging.getLogger(__name__)
 JOBS_DIR = "jobs"
 MODEL_TYPE = "lora-adapter"
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
-TAG_BASE_MODEL = "rlops.base_model"
-TAG_LORA_RANK = "rlops.lora_rank"
-TAG_SHA256 = "rlops.sha256."
 
 
 def sha256_of(path: Path) -> str:

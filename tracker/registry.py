@@ -15,12 +15,9 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 
-from tracker.checkpoints import MODEL_TYPE, TAG_STEP
+from rlops.layout import TAG_METRIC_KEY, TAG_METRIC_VALUE, TAG_RUN_ID, TAG_STEP
+from tracker.checkpoints import MODEL_TYPE
 from tracker.evals import table_artifact
-
-TAG_RUN_ID = "rlops.run_id"
-TAG_METRIC_KEY = "rlops.metric_key"
-TAG_METRIC_VALUE = "rlops.metric_value"
 
 
 @dataclass(frozen=True)

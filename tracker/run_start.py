@@ -15,8 +15,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 
 from rlops.config import Config, mask_uri, mask_value
+from rlops.layout import TAG_BASE_MODEL, TAG_LORA_RANK
 from tracker import state
-from tracker.checkpoints import TAG_BASE_MODEL, TAG_LORA_RANK
 from tracker.heartbeat import TAG_HEARTBEAT, beat
 from tracker.lifecycle import FINISHED, MAX_TAG_VALUE
 from tracker.naming import redacted_params, split_param_changes

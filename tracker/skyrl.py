@@ -28,7 +28,7 @@ from skyrl.train.utils.callbacks import TrainingCallback  # noqa: E402
 from skyrl.train.utils.tracking import Tracking, _compute_mlflow_params_from_objects  # noqa: E402
 
 from rlops.config import Config  # noqa: E402
-from rlops.layout import ADAPTER_CONFIG  # noqa: E402
+from rlops.layout import ADAPTER_CONFIG, TAG_BASE_MODEL, TAG_LORA_RANK  # noqa: E402
 from tracker import state as tracker_state  # noqa: E402
 from tracker.session import RunSession  # noqa: E402
 
@@ -57,9 +57,9 @@ def skyrl_params(cfg: Any) -> dict[str, Any]:
 
 def skyrl_tags(cfg: Any) -> dict[str, str]:
     model = cfg.trainer.policy.model
-    tags = {"rlops.trainer": "skyrl", "rlops.base_model": str(model.path)}
+    tags = {"rlops.trainer": "skyrl", TAG_BASE_MODEL: str(model.path)}
     if getattr(model, "lora", None) is not None and model.lora.rank:
-        tags["rlops.lora_rank"] = str(model.lora.rank)
+        tags[TAG_LORA_RANK] = str(model.lora.rank)
     datasets = getattr(cfg.data, "train_data", None)
     if datasets:
         tags["rlops.dataset"] = ",".join(str(d) for d in datasets)[:500]
