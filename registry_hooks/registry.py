@@ -9,13 +9,13 @@ from mlflow.exceptions import MlflowException
 
 from registry_hooks.adapter import InvalidAdapter
 from rlops.config import Config
-from rlops.layout import S3Location, parse_s3_uri
+from rlops.layout import TAG_EVAL_SET, S3Location, parse_s3_uri
 
 SHA256_TAG = "rlops.sha256."
 BASE_MODEL_TAG = "rlops.base_model"
 METRIC_KEY_TAG = "rlops.metric_key"
 METRIC_VALUE_TAG = "rlops.metric_value"
-EVAL_SET_TAG = "rlops.eval_set_sha256"  # optional: the guardrail refuses comparing scores of different eval sets
+EVAL_SET_TAG = TAG_EVAL_SET  # the guardrail refuses comparing scores of different eval sets
 FORCE_TAG = "rlops.force"  # "<who>: <why>" on a version: the guardrail lets it through (a registry-visible act)
 LEGACY_PRODUCTION_STAGE = "Production"
 LEGACY_PRODUCTION_ALIAS = "production"

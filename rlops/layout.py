@@ -25,6 +25,9 @@ ROUTES_DIR = "_routes"
 ROUTES_STAMP = "_routes.stamp"
 # What the tracker records and promotion reads: the checkpoint's step tag, the per-maze eval tables' folder.
 TAG_STEP = "rlops.step"
+# On a registered version: the full layout sha256 of the eval set its score was measured on (the tracker
+# writes it; the promotion guardrail compares scores only across equal values).
+TAG_EVAL_SET = "rlops.eval_set_sha256"
 EVAL_TABLE_DIR = "eval_tables"  # rewritten after every manifest write or delete: readers list _routes/ when it moves
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from mlflow import MlflowClient
 from mlflow.entities import Param, RunStatus, RunTag
@@ -28,9 +28,10 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 
 from rlops.config import Config, mask_uri, mask_value
-from tracker import registry, state
-from tracker.checkpoints import TABLE_DIR, TAG_BASE_MODEL, TAG_LORA_RANK, ArtifactUploader
+from tracker import lineage, registry, state
+from tracker.checkpoints import MODEL_TAG_KEYS, TABLE_DIR, TAG_BASE_MODEL, TAG_LORA_RANK, ArtifactUploader
 from tracker.evals import EvalLinks, eval_source
+from tracker.inputs import DatasetRef, EvalDatasets, log_datasets, store_datasets, stored_datasets
 from tracker.lock import RunDirLock
 from tracker.naming import as_float, eval_key, metric_key, redacted_params, split_param_changes
 from tracker.rest import MAX_TAGS_PER_BATCH, MlflowRest
@@ -90,6 +91,7 @@ class RunSession:
         for chunk in self._spool.unacknowledged():
             self._sender.submit(chunk)
         self._evals = EvalLinks(self._state / state.EVALS_FILE)
+        self._datasets = EvalDatasets(stored_datasets(self._state))
         self._send(self._evals.restore())
         self._uploader = ArtifactUploader(
             client, run_id, experiment_id, self._state,
@@ -113,8 +115,10 @@ class RunSession:
 
     @classmethod
     def start(cls, config: Config, run_dir: Path, *, params: Mapping[str, Any] = {}, tags: Mapping[str, str] = {},
-              run_name: str | None = None, resume: bool | None = None) -> "RunSession":
-        """Start a run, or continue the one stored in `run_dir` (the trainer's output dir).
+              run_name: str | None = None, resume: bool | None = None,
+              datasets: Sequence[DatasetRef] = ()) -> "RunSession":
+        """Start a run, or continue the one stored in `run_dir` (the trainer's output dir). `datasets`: the
+        train/eval sets, logged as run inputs; eval points of a listed eval set are linked to it.
 
         `resume=None`: continue a stored run unless it FINISHED (then a new run starts and the finished
         one's state moves to `<run_dir>/previous-<run_id>/`); True: always continue it; False: always a
@@ -131,7 +135,7 @@ class RunSession:
         lock = RunDirLock(run_dir, config.tracking.lock_lease_s)
         lock.acquire()
         try:
-            session = cls._start_locked(config, run_dir, lock, params, tags, run_name, resume)
+            session = cls._start_locked(config, run_dir, lock, params, tags, run_name, resume, datasets)
         except BaseException:
             lock.release()
             raise
@@ -139,7 +143,8 @@ class RunSession:
         return session
 
     @classmethod
-    def _start_locked(cls, config, run_dir: Path, lock: RunDirLock, params, tags, run_name, resume) -> "RunSession":
+    def _start_locked(cls, config, run_dir: Path, lock: RunDirLock, params, tags, run_name, resume,
+                      datasets) -> "RunSession":
         client = MlflowClient(tracking_uri=config.tracking_uri, registry_uri=config.tracking_uri)
         run_tags = _default_tags(config) | {str(k): str(mask_value(str(k), v)) for k, v in tags.items()}
         run_id, archived = stored_run_id(run_dir), None
@@ -157,12 +162,14 @@ class RunSession:
                 state.write_run(run_dir, {"run_id": run.info.run_id, "experiment_id": experiment_id,
                                           "tracking_uri": mask_uri(config.tracking_uri)})
             _log_params_and_tags(client, run, redacted_params(params), run_tags)
+            log_datasets(client, run.info.run_id, datasets)
+            store_datasets(state_dir(run_dir), datasets)
         except MlflowException as exc:
             raise ConnectionError(f"cannot {'resume' if run_id else 'start'} the MLflow run at "
                                   f"{mask_uri(config.tracking_uri)}: {exc.message}") from exc
         log.info("tracking run %s (%s) in %s", run.info.run_id, "resumed" if run_id else "new", config.tracking_uri)
         # each checkpoint carries the run's base model and rank (the trainer's tags win over config defaults)
-        model_tags = {key: run_tags[key] for key in (TAG_BASE_MODEL, TAG_LORA_RANK)}
+        model_tags = {key: run_tags[key] for key in MODEL_TAG_KEYS if key in run_tags}
         session = cls(config, run_dir, client, run.info.run_id, run.info.experiment_id, model_tags, lock,
                       archived=archived)
         if session.resumed_after_step >= 0:
@@ -182,7 +189,8 @@ class RunSession:
         client = MlflowClient(tracking_uri=config.tracking_uri, registry_uri=config.tracking_uri)
         run = client.get_run(record["run_id"])
         defaults = _default_tags(config)
-        model_tags = {key: run.data.tags.get(key, defaults[key]) for key in (TAG_BASE_MODEL, TAG_LORA_RANK)}
+        model_tags = {key: run.data.tags.get(key, defaults.get(key)) for key in MODEL_TAG_KEYS}
+        model_tags = {key: value for key, value in model_tags.items() if value is not None}
         return cls(config, run_dir, client, run.info.run_id, run.info.experiment_id, model_tags, lock, live=False)
 
     @classmethod
@@ -327,13 +335,22 @@ class RunSession:
     def _register(self, source: str) -> ModelVersion | None:
         key = eval_key(source, self.config.tracking.best_metric)
         models = registry.run_checkpoints(self._client, self._experiment_id, self._run_id)
-        scored = registry.rank_checkpoints(models, key)
+        dataset = self._datasets.get(source)  # scores of other eval sets than the logged one never compare
+        scored = registry.rank_checkpoints(models, key, dataset.digest if dataset else None)
         if not scored:
             log.warning("register_best: no checkpoint of run %s carries %s", self._run_id, key)
             return None
         name = self.config.registered_model
+        description = lineage.version_description(
+            metric_key=key, value=scored[0].value, step=scored[0].step, run_id=self._run_id,
+            run_name=self._client.get_run(self._run_id).info.run_name,
+            base_model=self._uploader.model_tags.get(TAG_BASE_MODEL),
+            base_digest=self._uploader.model_tags.get(lineage.TAG_BASE_MODEL_SHA256),
+            eval_set=source, eval_digest=dataset.layout_sha256 if dataset else None)
         version = registry.register_checkpoint(self._client, name, self._run_id, scored[0], key,
-                                               self.config.tracking.register_aliases)
+                                               self.config.tracking.register_aliases,
+                                               eval_set_sha256=dataset.layout_sha256 if dataset else None,
+                                               description=description)
         self._client.set_tag(self._run_id, TAG_REGISTRATION, f"{name} v{version.version} (step {scored[0].step})")
         self.registered = version
         keep_best = self.config.tracking.keep_best_checkpoints
@@ -478,7 +495,7 @@ class RunSession:
             self._queue_registration(points)
 
     def _send(self, points: list[Point]) -> None:
-        self._sender.submit(self._spool.append([encode(*p) for p in points]))
+        self._sender.submit(self._spool.append([encode(*p, dataset=self._datasets.link(p.key)) for p in points]))
 
     def _queue_registration(self, linked: list[Point]) -> None:
         """With `tracking.register_on_eval`, re-pick the best checkpoint of each eval set just linked."""

@@ -358,21 +358,49 @@ class TrainResult:
         return data | {k: getattr(self, k) for k in ("before", "after", "sampled_before", "sampled_after")}
 
 
-def _grpo_dataset(config: Config):
+GRPO_PROMPTS = 2048
+
+
+def grpo_mazes(config: Config) -> list[Maze]:
     """GRPO prompts: mazes of the eval size only. On the smaller ones the SFT base is nearly always right,
     so half of all groups had identical rewards (no signal); on the eval size alone ~10% had (tried here)."""
+    local = config.training.local
+    return ds.training_mazes([local.eval_size], GRPO_PROMPTS, exclude=ds.local_eval_sets(local.eval_size))
+
+
+def _grpo_dataset(mazes: list[Maze]):
     from datasets import Dataset
 
-    local = config.training.local
-    mazes = ds.training_mazes([local.eval_size], 2048,
-                              exclude=ds.local_eval_sets(local.eval_size))
     rows = [{"prompt": [{"role": "user", "content": ds.LOCAL_PROMPT}], "image": maze_image(m),
              "layout": json.dumps(m.layout(), sort_keys=True)} for m in mazes]
     return Dataset.from_list(rows)
 
 
+def run_datasets(config: Config, train_mazes: list[Maze]) -> list:
+    """The run's inputs: the GRPO prompt set and the fixed eval set, both built in memory from seeds."""
+    from tracker.inputs import EVAL, TRAINING, DatasetRef
+
+    eval_set = ds.local_eval_set(config.training.local.eval_size)
+    size = config.training.local.eval_size
+    return [
+        DatasetRef(f"maze_2d/local{size}", ds.layout_digest(train_mazes), source_type="generated",
+                   source=f"training.local_trainer.grpo_mazes: {len(train_mazes)} mazes {size}x{size} from seed "
+                          f"{ds.TRAIN_SEED_START}, eval layouts excluded", context=TRAINING, rows=len(train_mazes)),
+        DatasetRef(eval_set.data_source, ds.layout_digest(eval_set.mazes()), source_type="generated",
+                   source=f"training.datasets.local_eval_set({size}): seeds {eval_set.seeds[0]}-{eval_set.seeds[-1]}",
+                   context=EVAL, rows=len(eval_set.seeds)),
+    ]
+
+
+def base_identity(config: Config, base: Path) -> tuple[str, str | None]:
+    """(portable id, content sha256) of the run's base: the served id when it is serving's base."""
+    from tracker.lineage import content_digest, portable_base_id
+
+    return portable_base_id(base, {config.base_model_source: config.serving.base_model_id}), content_digest(base)
+
+
 def _run_config(config: Config, base_model: str) -> Config:
-    """The config the run records: this run's base and LoRA rank (tags on every checkpoint)."""
+    """The config the run records: this run's base (portable id) and LoRA rank (tags on every checkpoint)."""
     run_config = config.model_copy(deep=True)
     run_config.training.base_model = base_model
     run_config.training.lora_rank = config.training.local.lora_rank
@@ -422,7 +450,8 @@ class BudgetCallback(TrainerCallback):
             control.should_save = True
 
 
-def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callbacks: list, processor):
+def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callbacks: list, processor,
+                 mazes: list[Maze] | None = None):
     """TRL's GRPOTrainer for the maze: LoRA on the language model, the shaped reward for training and the
     unshaped one logged beside it (weight 0), checkpoints every min(eval, ckpt) interval."""
     import torch
@@ -446,7 +475,7 @@ def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callback
     peft_config = LoraConfig(r=local.lora_rank, lora_alpha=local.lora_alpha, lora_dropout=0.0,
                              target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=[maze_reward, solved_reward], args=args,
-                          train_dataset=_grpo_dataset(config), processing_class=processor,
+                          train_dataset=_grpo_dataset(grpo_mazes(config) if mazes is None else mazes), processing_class=processor,
                           peft_config=peft_config, callbacks=callbacks)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(QuietProgressCallback)
@@ -471,7 +500,8 @@ def archive_checkpoints(run_dir: Path, dest: Path) -> None:
 
 
 def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps: int | None = None,
-          fast: bool = False, resume: bool | None = None, log: Callable[[str], None] = print) -> TrainResult:
+          fast: bool = False, resume: bool | None = None, run_name: str | None = None,
+          log: Callable[[str], None] = print) -> TrainResult:
     """Run SFT (cached) if needed, GRPO + LoRA with the tracker, eval on the fixed set after each
     checkpoint, and register the best checkpoint (alias `candidate`). `fast` skips SFT and uses the
     random-init tiny base (tests). Returns the curve and the before/after solve rates.
@@ -479,10 +509,11 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
     A run dir whose run did not finish continues it: the trainer resumes from its latest checkpoint
     (weights, optimizer, scheduler, RNG, global step) and the MLflow run continues after its last step.
     A FINISHED one starts a new run (its checkpoints move to `previous-<run_id>/`) unless `resume=True`
-    (continue it, e.g. with more steps); `resume=False` always starts a new run."""
+    (continue it, e.g. with more steps); `resume=False` always starts a new run. A new run is named
+    `run_name`, default `grpo-<base>-r<rank>-<date>`."""
     from transformers import AutoProcessor
 
-    from tracker import RunSession
+    from tracker import RunSession, lineage
     from tracker.hf import TrackerCallback
     from tracker.naming import eval_key
 
@@ -496,13 +527,20 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
     base = ensure_tiny_init(config) if fast else ensure_base(config, log=log)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    params = {**local.model_dump(), "base_model": str(base), "fast": fast, "steps": steps, "budget_s": budget_s,
-              "eval_data_source": ds.local_eval_set(local.eval_size).data_source,
-              "eval_layout_sha256": ds.layout_digest(ds.local_eval_set(local.eval_size).mazes())}
-    result = TrainResult(run_id="", base_model=str(base), steps=0, seconds=0.0, seconds_per_step=0.0,
-                         eval_data_source=ds.local_eval_set(local.eval_size).data_source)
-    with RunSession.start(_run_config(config, str(base)), run_dir, params=params, resume=resume,
-                          tags={"rlops.trainer": "trl-grpo-local", "rlops.task": "maze_2d-single-turn"}) as session:
+    base_id, base_sha256 = base_identity(config, base)
+    train_mazes = grpo_mazes(config)
+    datasets = run_datasets(config, train_mazes)
+    params = {**local.model_dump(), "base_model": base_id, "fast": fast, "steps": steps, "budget_s": budget_s,
+              "eval_data_source": datasets[1].name, "eval_layout_sha256": datasets[1].layout_sha256,
+              "train_layout_sha256": datasets[0].layout_sha256}
+    result = TrainResult(run_id="", base_model=base_id, steps=0, seconds=0.0, seconds_per_step=0.0,
+                         eval_data_source=datasets[1].name)
+    tags = {lineage.TAG_TRAINER: "trl-grpo-local", "rlops.task": "maze_2d-single-turn"}
+    if base_sha256:
+        tags[lineage.TAG_BASE_MODEL_SHA256] = base_sha256
+    with RunSession.start(_run_config(config, base_id), run_dir, params=params, resume=resume, tags=tags,
+                          run_name=run_name or lineage.run_name(base_id, local.lora_rank),
+                          datasets=datasets) as session:
         result.run_id = session.run_id
         if session.archived is not None:
             archive_checkpoints(run_dir, session.archived)
@@ -524,7 +562,7 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
 
         callbacks = [TrackerCallback(session), BudgetCallback(budget_s),
                      FixedEvalCallback(score, record, already_scored=scored_steps.__contains__)]
-        trainer = grpo_trainer(config, base, run_dir, steps, callbacks, processor)
+        trainer = grpo_trainer(config, base, run_dir, steps, callbacks, processor, train_mazes)
         started = time.monotonic()
         trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
         result.seconds = round(time.monotonic() - started, 1)
