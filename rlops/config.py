@@ -73,6 +73,10 @@ class TrackingConfig(_Section):
     register_on_eval: bool = Field(False, description="also register the best checkpoint after each linked eval")
     keep_best_checkpoints: int | None = Field(None, ge=1, description="retention: keep the best k + the latest "
                                               "checkpoints (and registered ones); None keeps all")
+    sample_mazes: int = Field(16, ge=0, le=256, description="answers per eval logged as a table with images (0 = off)")
+    sample_groups: int = Field(2, ge=0, le=64, description="GRPO groups per logging interval logged the same way")
+    system_metrics: bool = Field(True, description="MLflow system metrics (CPU, memory, disk, network; GPU if present)")
+    system_metrics_interval_s: float = Field(10.0, gt=0, description="sampling interval of the system metrics")
 
 
 class ServerConfig(_Section):

@@ -28,13 +28,14 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 
 from rlops.config import Config, mask_uri, mask_value
-from tracker import lineage, registry, state
+from tracker import lineage, registry, state, system
 from tracker.checkpoints import MODEL_TAG_KEYS, TABLE_DIR, TAG_BASE_MODEL, TAG_LORA_RANK, ArtifactUploader
 from tracker.evals import EvalLinks, eval_source
 from tracker.inputs import DatasetRef, EvalDatasets, log_datasets, store_datasets, stored_datasets
 from tracker.lock import RunDirLock
 from tracker.naming import as_float, eval_key, metric_key, redacted_params, split_param_changes
 from tracker.rest import MAX_TAGS_PER_BATCH, MlflowRest
+from tracker.samples import KINDS, SampleUploader, bounded, check_rows
 from tracker.sender import MetricSender
 from tracker.spool import MetricSpool, Point, encode
 from tracker.state import STATE_DIR, state_dir, stored_run_id  # noqa: F401  (part of this module's face)
@@ -101,8 +102,13 @@ class RunSession:
         self._checkpoint_steps = set(self._evals.linked) | self._uploader.queued_checkpoint_steps()
         self._heartbeat_stop = threading.Event()
         self._previous_sigterm = None
+        self._samples: SampleUploader | None = None
+        self._system: system.SystemMetrics | None = None
         if not live:
             return
+        self._samples = SampleUploader(client, run_id, max_backoff_s=config.tracking.retry_max_backoff_s)
+        self._system = system.start(run_id, config.tracking_uri, config.tracking.system_metrics_interval_s,
+                                    enabled=config.tracking.system_metrics, resume=self.resumed_after_step >= 0)
         state.clear_intended_end(self.run_dir)  # this session decides the end now
         threading.Thread(target=self._heartbeat, name="rlops-tracker-heartbeat", daemon=True).start()
         # An interpreter exit without finish(): still land what is spooled (bounded); the run stays RUNNING
@@ -293,6 +299,23 @@ class RunSession:
         if table and logged:
             self._uploader.add_table(f"{TABLE_DIR}/{data_source.strip('/')}/step_{step:06d}.json", table)
 
+    def log_samples(self, rows: list[dict], step: int, *, kind: str = "eval") -> int:
+        """Log a bounded sample of answers (`tracking.sample_mazes` eval rows, or the rows of the first
+        `tracking.sample_groups` GRPO groups for kind="train") as `<eval|train>/samples/step_<N>.json`
+        with an image column (`image`: PIL image, HxWx3 array, or a callable rendering one) and a grid
+        `step_<N>.png`. Returns the rows queued; everything else happens on a background thread."""
+        self._check_open()
+        step = _check_step(step)
+        if kind not in KINDS:
+            raise ValueError(f"sample kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        check_rows(rows)
+        limit = self.config.tracking.sample_mazes if kind == "eval" else self.config.tracking.sample_groups
+        rows = bounded(rows, kind, limit)
+        if not rows or self._samples is None or (kind == "train" and step <= self.resumed_after_step):
+            return 0
+        self._samples.add(kind, step, rows)
+        return len(rows)
+
     def log_eval_metrics(self, metrics: Mapping[str, float], step: int) -> int:
         """Log eval metrics (`eval/<data_source>/<name>`) and link them to this step's checkpoint, whether
         the checkpoint is logged before or after the eval. Returns how many points were logged (an eval of
@@ -371,7 +394,10 @@ class RunSession:
         """Wait up to `timeout_s` until every checkpoint, table and metric so far has landed."""
         deadline = time.monotonic() + timeout_s
         uploaded = self._uploader.flush(timeout_s)
-        return self._sender.flush(max(0.0, deadline - time.monotonic())) and uploaded
+        sent = self._sender.flush(max(0.0, deadline - time.monotonic()))
+        if self._samples is not None:
+            self._samples.flush(max(0.0, deadline - time.monotonic()))  # best effort: not part of the verdict
+        return sent and uploaded
 
     def drain(self, timeout_s: float) -> str:
         """(A drain session) land what the stored run left, apply the end it recorded, close. Returns what
@@ -450,6 +476,10 @@ class RunSession:
         """Stop the workers, then close the files they write (an upload still in flight past the bound
         finds them closed and leaves its job for the next start)."""
         self._sender.stop()
+        if self._system is not None:
+            self._system.stop(self.config.tracking.request_timeout_s)
+        if self._samples is not None:
+            self._samples.stop()
         if not self._uploader.stop():
             log.warning("run %s: an upload is still in flight; its job stays in %s", self._run_id, self._state)
         with self._lock:

@@ -9,9 +9,11 @@ Entry point for the CLI, the demo and the bench: `train(config, run_dir, budget_
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,7 +24,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from rlops.config import Config
 from training import datasets as ds
-from training.maze import Maze, WalkResult, answer_text, render, solve, walk_answer
+from training.maze import Maze, WalkResult, answer_moves, answer_text, render, solve, walk_answer
 
 TINY_INIT_DIR = "tiny-init"
 TINY_INIT_MARKER = "rlops-tiny-init.json"
@@ -78,6 +80,14 @@ def completion_text(completion: Any) -> str:
                     else " ".join(p.get("text", "") for p in m.get("content") or []) for m in completion)
 
 
+def sample_row(maze: Maze, answer: str, walk: WalkResult) -> dict:
+    """One row of a sample table: the maze image (rendered later, off the training thread), the answer,
+    how it was read and what it scored."""
+    return {"image": functools.partial(maze_image, maze), "seed": maze.seed, "prompt": ds.LOCAL_PROMPT,
+            "completion": answer, "moves": " ".join(answer_moves(answer)), "reward": shaped_reward(walk),
+            "solved": walk.solved}
+
+
 def maze_reward(prompts: list, completions: list, layout: list[str], **_: Any) -> list[float]:
     """TRL reward function; `layout` is the dataset column naming each prompt's maze."""
     return [shaped_reward(walk_answer(ds.maze_from_layout(lay), completion_text(c)))
@@ -106,6 +116,8 @@ class EvalResult:
     rows: list[dict]
     sampled_rate: float | None = None
     sampled_ci95: tuple[float, float] | None = None
+    samples: list[dict] = field(default_factory=list)  # greedy answers, per maze (the tracker logs a bounded few)
+    seconds: float = 0.0  # wall time of the eval
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -171,11 +183,13 @@ def evaluate(model, processor, maze_set: ds.MazeSet, max_new_tokens: int, sample
     """Greedy solve rate (unshaped task reward) on a named maze set, with per-maze rows; with `samples` > 0
     also pass@1 of `samples` answers per maze sampled at `temperature`."""
     mazes = maze_set.mazes()
-    walks = [walk_answer(m, a) for m, a in zip(mazes, generate_answers(model, processor, mazes, max_new_tokens))]
+    answers = generate_answers(model, processor, mazes, max_new_tokens)
+    walks = [walk_answer(m, a) for m, a in zip(mazes, answers)]
     rows = [{"seed": m.seed, "solved": w.solved, "steps": w.steps, "final_distance": w.final_distance}
             for m, w in zip(mazes, walks)]
     solved = sum(w.solved for w in walks)
-    result = EvalResult(maze_set.data_source, solved / len(mazes), wilson_interval(solved, len(mazes)), rows)
+    result = EvalResult(maze_set.data_source, solved / len(mazes), wilson_interval(solved, len(mazes)), rows,
+                        samples=[sample_row(m, a, w) for m, a, w in zip(mazes, answers, walks)])
     if samples > 0:
         repeated = [m for m in mazes for _ in range(samples)]
         answers = generate_answers(model, processor, repeated, max_new_tokens, temperature=temperature)
@@ -427,6 +441,40 @@ class FixedEvalCallback(TrainerCallback):
         self._eval(model, state.global_step)
 
 
+def group_rows(layouts: list[str], completions: list[str], rewards: list[float], group_size: int) -> list[dict]:
+    """Sample rows of one GRPO generation batch: consecutive `group_size` completions share a prompt; the
+    advantage is GRPO's default (TRL `scale_rewards="group"`): (reward - group mean) / (group std + 1e-4)."""
+    rows = []
+    for start in range(0, len(completions) - group_size + 1, group_size):
+        group = rewards[start:start + group_size]
+        mean, std = sum(group) / len(group), statistics.stdev(group) if len(group) > 1 else 0.0
+        maze = ds.maze_from_layout(layouts[start])
+        for i in range(start, start + group_size):
+            walk = walk_answer(maze, completions[i])
+            rows.append({"group": start // group_size, **sample_row(maze, completions[i], walk),
+                         "reward": rewards[i], "advantage": (rewards[i] - mean) / (std + 1e-4)})
+    return rows
+
+
+class GroupSampleCallback(TrainerCallback):
+    """Keeps the last generation batch its `maze_reward` scored (TRL calls it with every batch) and logs the
+    first groups of it at each logging step: what the policy tried, and what GRPO made of it."""
+
+    def __init__(self, session, group_size: int):
+        self.session, self.group_size = session, group_size
+        self._batch: tuple[list[str], list[str], list[float]] | None = None
+
+    def maze_reward(self, prompts: list, completions: list, layout: list[str], **kwargs: Any) -> list[float]:
+        rewards = maze_reward(prompts, completions, layout)
+        self._batch = (list(layout), [completion_text(c) for c in completions], rewards)
+        return rewards
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._batch is not None and state.is_world_process_zero:
+            self.session.log_samples(group_rows(*self._batch, self.group_size), step=state.global_step, kind="train")
+            self._batch = None
+
+
 class QuietProgressCallback(ProgressCallback):
     """The progress bar without a printed dict per step (every step is logged to MLflow instead)."""
 
@@ -451,7 +499,7 @@ class BudgetCallback(TrainerCallback):
 
 
 def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callbacks: list, processor,
-                 mazes: list[Maze] | None = None):
+                 mazes: list[Maze] | None = None, shaped_reward_func: Callable = maze_reward):
     """TRL's GRPOTrainer for the maze: LoRA on the language model, the shaped reward for training and the
     unshaped one logged beside it (weight 0), checkpoints every min(eval, ckpt) interval."""
     import torch
@@ -474,7 +522,7 @@ def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callback
     )
     peft_config = LoraConfig(r=local.lora_rank, lora_alpha=local.lora_alpha, lora_dropout=0.0,
                              target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=model, reward_funcs=[maze_reward, solved_reward], args=args,
+    trainer = GRPOTrainer(model=model, reward_funcs=[shaped_reward_func, solved_reward], args=args,
                           train_dataset=_grpo_dataset(grpo_mazes(config) if mazes is None else mazes), processing_class=processor,
                           peft_config=peft_config, callbacks=callbacks)
     trainer.remove_callback(ProgressCallback)
@@ -554,15 +602,22 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
         scored_steps = {step for step, _ in session.eval_history(eval_key(eval_set.data_source))}
 
         def score(model) -> EvalResult:
-            return evaluate(model, processor, eval_set, local.max_completion_tokens, local.eval_samples, local.temperature)
+            started = time.monotonic()
+            scored = evaluate(model, processor, eval_set, local.max_completion_tokens, local.eval_samples,
+                              local.temperature)
+            scored.seconds = time.monotonic() - started
+            return scored
 
         def record(step: int, scored: EvalResult) -> None:
             extra = {} if scored.sampled_rate is None else {SAMPLED_METRIC: scored.sampled_rate}
             session.log_eval(scored.data_source, scored.solve_rate, scored.rows, step=step, metrics=extra)
+            session.log_samples(scored.samples, step=step)
+            session.log_metrics({"perf/eval_s": scored.seconds}, step=step)
 
-        callbacks = [TrackerCallback(session), BudgetCallback(budget_s),
+        groups = GroupSampleCallback(session, local.num_generations)
+        callbacks = [TrackerCallback(session), BudgetCallback(budget_s), groups,
                      FixedEvalCallback(score, record, already_scored=scored_steps.__contains__)]
-        trainer = grpo_trainer(config, base, run_dir, steps, callbacks, processor, train_mazes)
+        trainer = grpo_trainer(config, base, run_dir, steps, callbacks, processor, train_mazes, groups.maze_reward)
         started = time.monotonic()
         trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
         result.seconds = round(time.monotonic() - started, 1)
