@@ -156,7 +156,7 @@ class Chaos:
 def count(config, run_dir: Path, final_step: int) -> dict:
     from mlflow import MlflowClient
 
-    from tracker.session import stored_run_id
+    from tracker.state import stored_run_id
 
     client = MlflowClient(tracking_uri=config.tracking_uri, registry_uri=config.tracking_uri)
     run_id = stored_run_id(run_dir)

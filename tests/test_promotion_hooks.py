@@ -200,7 +200,7 @@ def test_reconciler_alone_converges_with_receiver_off(stack, test_config, mlflow
     assert "1 models seen, 0 synced (0 failed), 0.0 s behind the 1 s interval" in shown.stdout, shown.output
 
     # The reconciler also settles tracked runs whose process died silently (heartbeat stopped).
-    from tracker.session import TAG_HEARTBEAT
+    from tracker.heartbeat import TAG_HEARTBEAT
 
     existing = mlflow_client.get_experiment_by_name(cfg.tracking.experiment)
     experiment_id = existing.experiment_id if existing else mlflow_client.create_experiment(cfg.tracking.experiment)

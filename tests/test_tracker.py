@@ -13,11 +13,13 @@ from mlflow.entities import Metric
 from test_tracker_support import logged_table, make_peft_adapter, metric_history
 from tracker import RunSession
 from tracker.checkpoints import TAG_SHA256, TAG_STEP, sha256_of
+from tracker.lifecycle import TAG_EXCEPTION_MESSAGE, TAG_EXCEPTION_TYPE
 from tracker.naming import eval_key, metric_key, redacted_params, split_param_changes
 from tracker.registry import rank_checkpoints, retention_victims
-from tracker.session import STATE_DIR, TAG_EXCEPTION_MESSAGE, TAG_EXCEPTION_TYPE, TAG_PARAM_CHANGED
+from tracker.run_start import TAG_PARAM_CHANGED
 from tracker.sender import MetricSender
 from tracker.spool import MetricSpool, decode, encode
+from tracker.state import STATE_DIR
 
 
 @pytest.fixture(scope="module")

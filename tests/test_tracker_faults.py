@@ -18,7 +18,7 @@ from rlops.cli import main as rlops_cli
 from test_tracker_support import make_peft_adapter, metric_history
 from tracker import RunSession
 from tracker.checkpoints import TAG_STEP
-from tracker.session import stored_run_id
+from tracker.state import stored_run_id
 
 HOOK_BOUND_S = 0.005  # median of one log_metrics call of 100 metrics (2-core box shared with other tests)
 HOOK_WORST_S = 0.100  # the slowest single call, with ample room for scheduler noise

@@ -19,7 +19,7 @@ from tracker import RunSession, run_dir_status
 from tracker import spool as spool_module
 from tracker.lock import LOCK_FILE, RunDirBusy, RunDirLock
 from tracker.sender import DEAD_LETTER_FILE
-from tracker.session import STATE_DIR
+from tracker.state import STATE_DIR
 from tracker.spool import MetricSpool, encode
 
 SOURCE = "maze_2d/local7"
@@ -110,7 +110,7 @@ def test_a_full_disk_on_the_ack_file_does_not_end_the_sender(test_config, tmp_pa
         assert session.flush(30)  # the ack failed 3 times, then the disk had room again
         session.log_metrics({"m": 2.0}, step=2)
         assert session.flush(30)
-        assert session._sender.disk_errors == 3 and session._sender.last_error is None
+        assert session._outbox.sender.disk_errors == 3 and session._outbox.sender.last_error is None
     assert len(failures) == 3
     assert metric_history(mlflow_client, session.run_id, "m") == [(1, 1.0), (2, 2.0)]
 

@@ -3,7 +3,9 @@
 `RunSession` is the trainer-agnostic core; `sweep_stale_runs` settles runs whose process died silently;
 `run_dir_status` and `flush_run_dir` inspect and drain what a stopped run left in its run dir.
 Adapters: `tracker.hf.TrackerCallback` (transformers/TRL) and `tracker.skyrl` (imported only when used)."""
-from tracker.session import FlushReport, RunSession, RunTerminated, flush_run_dir
+from tracker.drain import FlushReport, flush_run_dir
+from tracker.lifecycle import RunTerminated
+from tracker.session import RunSession
 from tracker.state import run_dir_status
 from tracker.sweep import sweep_stale_runs
 

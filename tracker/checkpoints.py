@@ -19,7 +19,6 @@ from mlflow import MlflowClient
 from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 
 from rlops.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TAG_STEP
-from rlops.layout import EVAL_TABLE_DIR as TABLE_DIR
 from tracker.lineage import TAG_BASE_MODEL, TAG_BASE_MODEL_SHA256, TAG_TRAINER, checkpoint_params
 from tracker.sender import wait_for_worker
 

@@ -1,19 +1,28 @@
-"""Eval links: which eval points belong to which step's checkpoint, kept in `evals.jsonl` so a restart
-links evals logged before a crash, and a resumed run does not log a step's eval a second time.
+"""Eval linking: each eval point goes to MLflow linked to its step's checkpoint (LoggedModel), whether
+the checkpoint lands before or after the eval; and the per-maze eval table of that step.
 
-Records are `{"step", "points": [[key, value, timestamp_ms], ...]}` (an eval) and `{"step", "model_id"}`
-(that step's checkpoint landed). Not thread-safe: the session calls it under its lock.
+`EvalLinks` keeps the links in `evals.jsonl` so a restart links evals logged before a crash, and a resumed
+run does not log a step's eval a second time. Records are `{"step", "points": [[key, value,
+timestamp_ms], ...]}` (an eval) and `{"step", "model_id"}` (that step's checkpoint landed).
+`EvalLinking` is what the session uses: thread-safe, it sends the points and says which got linked.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import threading
+import time
 from pathlib import Path
+from typing import Any, Callable, Mapping
 
+from rlops.layout import EVAL_TABLE_DIR
+from tracker.naming import as_float, metric_key
 from tracker.spool import Point, append_whole, drop_torn_tail
 
 log = logging.getLogger(__name__)
+
+EVAL_ROW_KEYS = ("seed", "solved", "steps", "final_distance")
 
 
 def eval_source(key: str) -> str | None:
@@ -42,7 +51,31 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
+def table_artifact(data_source: str, step: int) -> str:
+    """Where a step's eval table goes among the run's artifacts."""
+    return f"{EVAL_TABLE_DIR}/{data_source.strip('/')}/step_{step:06d}.json"
+
+
+def eval_table(rows: Any, step: int) -> list[dict[str, Any]]:
+    """The per-maze rows of an eval as table rows (plain Python values, the step added); raises naming the
+    first malformed row."""
+    if not isinstance(rows, list) or not all(isinstance(r, Mapping) for r in rows):
+        raise TypeError("rows must be a list of dicts with seed, solved, steps, final_distance")
+    for i, row in enumerate(rows):
+        missing = [k for k in EVAL_ROW_KEYS if k not in row]
+        if missing:
+            raise ValueError(f"eval row {i} lacks {', '.join(missing)} (need {', '.join(EVAL_ROW_KEYS)})")
+    return [{k: _plain(row[k]) for k in EVAL_ROW_KEYS} | {"step": step} for row in rows]
+
+
+def _plain(value: Any) -> Any:
+    """numpy/torch scalars -> Python scalars, so a table row serializes to JSON."""
+    return value.item() if hasattr(value, "item") and getattr(value, "ndim", 0) == 0 else value
+
+
 class EvalLinks:
+    """The link file and what it says. Not thread-safe: `EvalLinking` calls it under its lock."""
+
     def __init__(self, path: Path):
         self._path = Path(path)
         drop_torn_tail(self._path)
@@ -110,3 +143,53 @@ class EvalLinks:
             append_whole(self._fd, (json.dumps(record) + "\n").encode())
         except OSError as exc:  # a full disk: the points still go out; only a restart would miss the link
             log.error("cannot write %s: %s", self._path, exc)
+
+
+class EvalLinking:
+    """Thread-safe eval linking for one session. `send` takes points to spool; `on_linked` hears which
+    points just went out linked to a checkpoint (the registration may re-pick the best then)."""
+
+    def __init__(self, path: Path, send: Callable[[list[Point]], None], on_linked: Callable[[list[Point]], None]):
+        self._lock = threading.Lock()
+        self._links = EvalLinks(path)
+        self._send = send
+        self._on_linked = on_linked
+        self._send(self._links.restore())
+
+    def log(self, metrics: Mapping[str, float], step: int) -> int:
+        """Eval metrics of `step`, linked to its checkpoint now or once it lands. Returns how many points
+        were logged (an eval of a step an earlier session of this run logged already is dropped)."""
+        now = int(time.time() * 1000)
+        points = [Point(metric_key(k), as_float(k, v), now, step) for k, v in metrics.items()]
+        with self._lock:
+            points = self._links.add(points, step)
+            if any(p.model_id for p in points):
+                self._on_linked(points)
+            self._send(points)
+        return len(points)
+
+    def checkpoint_landed(self, step: int, model_id: str) -> None:
+        """(Uploader thread) the step's LoggedModel exists: send the evals waiting for it, linked."""
+        with self._lock:
+            points = self._links.checkpoint_landed(step, model_id)
+            self._send(points)
+            self._on_linked(points)
+
+    @property
+    def linked_steps(self) -> set[int]:
+        with self._lock:
+            return set(self._links.linked)
+
+    def history(self, key: str) -> list[tuple[int, float]]:
+        with self._lock:
+            return sorted(self._links.history.get(key, {}).items())
+
+    def default_source(self, fallback: str) -> str:
+        """The one eval set this run logged, else `fallback`."""
+        with self._lock:
+            sources = sorted(self._links.sources)
+        return sources[0] if len(sources) == 1 else fallback
+
+    def close(self) -> None:
+        with self._lock:
+            self._links.close()

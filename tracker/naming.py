@@ -53,6 +53,17 @@ def as_float(name: str, value: Any) -> float:
     raise TypeError(f"metric {name!r}: value must be a number, got {type(value).__name__}")
 
 
+def check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return step
+
+
+def check_metrics(metrics: Any) -> Mapping:
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a mapping of name -> number, got {type(metrics).__name__}")
+    return metrics
+
 
 def flatten(data: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
     """Nested mappings -> one level with dotted keys; lists stay values."""

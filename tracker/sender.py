@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 MAX_TIMEOUT_DOUBLINGS = 3
 DEAD_LETTER_FILE = "deadletter.jsonl"
+TAG_DEAD_LETTERS = "rlops.dead_letters"  # the run's dead-letter count
 REJECTED_STATUS = (400, 404)  # MLflow refuses these points for good; 401/403/429/5xx are retried
 
 

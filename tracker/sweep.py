@@ -17,7 +17,8 @@ from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 
 from rlops.config import Config
-from tracker.session import TAG_END_REASON, TAG_HEARTBEAT
+from tracker.heartbeat import TAG_HEARTBEAT
+from tracker.lifecycle import TAG_END_REASON
 from tracker.spool import write_atomically
 
 TAG_FAILURE_REASON = "rlops.failure_reason"

@@ -1,0 +1,106 @@
+"""Registration of one run's best checkpoint, never among a partial set.
+
+`register_best` waits (up to `tracking.flush_timeout_s`) for every checkpoint and eval logged so far; if
+they have not all landed, the registration becomes a job in the run dir (tag `rlops.registration=pending`)
+that the uploader runs once they have, in this session or the next one on the run dir (or `rlops runs
+flush`). With `tracking.register_on_eval`, each newly linked eval re-picks the best of its eval set.
+What to register and what to delete after is `tracker.registry`'s part.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable, Mapping
+
+from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion
+
+from rlops.config import Config
+from tracker import lineage, registry
+from tracker.evals import eval_source
+from tracker.inputs import EvalDatasets
+from tracker.naming import eval_key
+from tracker.rest import MlflowRest
+from tracker.spool import Point
+
+log = logging.getLogger(__name__)
+
+TAG_REGISTRATION = "rlops.registration"
+
+
+class Registration:
+    """`landed(timeout)`: everything logged so far has landed (checkpoints, tables, points);
+    `points_landed(timeout)`: the points have; `queue(source)`: a registration job behind the uploads."""
+
+    def __init__(self, config: Config, client: MlflowClient, rest: MlflowRest, run_id: str, experiment_id: str,
+                 state_path: Path, *, landed: Callable[[float], bool], points_landed: Callable[[float], bool],
+                 queue: Callable[[str], None], datasets: EvalDatasets, model_tags: Mapping[str, str]):
+        self._config = config
+        self._client = client
+        self._rest = rest
+        self._run_id = run_id
+        self._experiment_id = experiment_id
+        self._state = state_path
+        self._landed = landed
+        self._points_landed = points_landed
+        self._queue = queue
+        self._datasets = datasets
+        self._model_tags = model_tags
+        self.registered: ModelVersion | None = None
+
+    def register_best(self, source: str) -> ModelVersion | None:
+        """Register now if everything landed in time, else queue it (returns None then, and when no
+        checkpoint carries the metric)."""
+        if self._landed(self._config.tracking.flush_timeout_s):
+            return self.register(source)
+        log.warning("register_best: checkpoints or evals are still pending; registration of %s waits for "
+                    "them (pending in %s)", source, self._state)
+        self._queue(source)
+        try:
+            self._rest.set_tags(self._run_id, {TAG_REGISTRATION: "pending"})
+        except Exception:  # noqa: BLE001 - the job in the run dir is the record; the tag is a courtesy
+            pass
+        return None
+
+    def after_links(self, linked: list[Point]) -> None:
+        """With `tracking.register_on_eval`, queue a re-pick of each eval set just linked."""
+        if not self._config.tracking.register_on_eval:
+            return
+        suffix = "/" + self._config.tracking.best_metric
+        for source in sorted({eval_source(p.key) for p in linked if p.key.endswith(suffix)} - {None}):
+            self._queue(source)
+
+    def in_background(self, source: str) -> None:
+        """Uploader thread: once the linked metrics have landed, register the current best."""
+        if not self._points_landed(self._config.tracking.flush_timeout_s):
+            raise TimeoutError("linked eval metrics not acknowledged yet")  # the uploader retries the job
+        self.register(source)
+
+    def register(self, source: str) -> ModelVersion | None:
+        """Register the best landed checkpoint of `source` into `config.registered_model`, set
+        `tracking.register_aliases`, then apply `tracking.keep_best_checkpoints`."""
+        key = eval_key(source, self._config.tracking.best_metric)
+        models = registry.run_checkpoints(self._client, self._experiment_id, self._run_id)
+        dataset = self._datasets.get(source)  # scores of other eval sets than the logged one never compare
+        scored = registry.rank_checkpoints(models, key, dataset.digest if dataset else None)
+        if not scored:
+            log.warning("register_best: no checkpoint of run %s carries %s", self._run_id, key)
+            return None
+        name = self._config.registered_model
+        eval_sha256 = dataset.layout_sha256 if dataset else None
+        description = lineage.version_description(
+            metric_key=key, value=scored[0].value, step=scored[0].step, run_id=self._run_id,
+            run_name=self._client.get_run(self._run_id).info.run_name,
+            base_model=self._model_tags.get(lineage.TAG_BASE_MODEL),
+            base_digest=self._model_tags.get(lineage.TAG_BASE_MODEL_SHA256), eval_set=source, eval_digest=eval_sha256)
+        version = registry.register_checkpoint(self._client, name, self._run_id, scored[0], key,
+                                               self._config.tracking.register_aliases,
+                                               eval_set_sha256=eval_sha256, description=description)
+        self._client.set_tag(self._run_id, TAG_REGISTRATION, f"{name} v{version.version} (step {scored[0].step})")
+        self.registered = version
+        keep_best = self._config.tracking.keep_best_checkpoints
+        if keep_best:
+            protected = registry.registered_sources(self._client, name, self._run_id)
+            for model_id in registry.retention_victims(models, scored, keep_best, protected):
+                self._client.delete_logged_model(model_id)
+        return version
