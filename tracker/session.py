@@ -360,7 +360,7 @@ class RunSession:
         finds them closed and leaves its job for the next start)."""
         self._outbox.stop()
         if self._system is not None:
-            self._system.stop(self.config.tracking.request_timeout_s)
+            self._system.stop()
         if self._samples is not None:
             self._samples.stop()
         if not self._uploader.stop():

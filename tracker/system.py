@@ -8,6 +8,8 @@ import threading
 
 log = logging.getLogger(__name__)
 
+STOP_BOUND_S = 2.0  # the last sample is not worth a slower end (the monitor's client retries for minutes)
+
 
 class SystemMetrics:
     def __init__(self, run_id: str, tracking_uri: str, interval_s: float, *, resume: bool,
@@ -19,7 +21,7 @@ class SystemMetrics:
                                              node_id=node_id, tracking_uri=tracking_uri)
         self._monitor.start()
 
-    def stop(self, timeout_s: float) -> bool:
+    def stop(self, timeout_s: float = STOP_BOUND_S) -> bool:
         """Stop sampling and flush what was sampled, waiting at most `timeout_s`."""
         worker = threading.Thread(target=self._monitor.finish, name="rlops-system-metrics-stop", daemon=True)
         worker.start()
