@@ -81,8 +81,8 @@ def guardrail_refusal(candidate: EvalFacts, current: EvalFacts | None, *, direct
     if candidate.metric_value is None or candidate.metric_key != current.metric_key:
         return f"v{candidate.version} has no eval metric comparable to v{current.version}'s {shown}"
     if candidate.eval_set and current.eval_set and candidate.eval_set != current.eval_set:
-        return (f"v{candidate.version} and v{current.version} were scored on different eval sets "
-                f"({candidate.eval_set[:12]} vs {current.eval_set[:12]}): not comparable")
+        return (f"v{candidate.version} and v{current.version} were scored on different eval sets (layout "
+                f"sha256 {candidate.eval_set} vs {current.eval_set}): not comparable")
     gain = candidate.metric_value - current.metric_value
     if direction == "lower":
         gain = -gain
@@ -90,6 +90,22 @@ def guardrail_refusal(candidate: EvalFacts, current: EvalFacts | None, *, direct
         return (f"v{candidate.version} scores {candidate.metric_key}={candidate.metric_value:g}, which does not beat "
                 f"the current v{current.version} ({current.metric_value:g}) by {min_delta:g} ({direction} is better)")
     return None
+
+
+def served_aliases(manifest: RoutesManifest, version: int) -> list[str]:
+    return sorted(a for a, r in manifest.aliases.items() if r.version == version)
+
+
+def promotion_record(manifest: RoutesManifest, version: int, limit: int) -> tuple[str, str]:
+    """(aliases serving `version` now, its promotion history newest first) as version-tag values of at
+    most `limit` characters: the Models page shows where each version is served and since when."""
+    entries = [f"{e.alias} {e.at} ({e.trigger})" for e in reversed(manifest.history) if e.version == version]
+    history = ""
+    for entry in entries:
+        if len(history) + len(entry) + 2 > limit:
+            break
+        history = f"{history}; {entry}" if history else entry
+    return ",".join(served_aliases(manifest, version)) or "none", history or "none"
 
 
 def newly_promoted(old: RoutesManifest, new: RoutesManifest) -> dict[str, AliasRoute]:

@@ -19,6 +19,9 @@ PROMOTED_AT_TAG = "serving.promoted_at"
 PROMOTED_BY_TAG = "serving.promoted_by"
 TRIGGER_TAG = "serving.trigger"
 REFUSED_TAG = "serving.refused"
+# The routes manifest mirrored on each version whose routes changed: where it is served, its history.
+SERVED_AS_TAG = "serving.aliases"
+HISTORY_TAG = "serving.history"
 # Bulk reads: the server's max_results limit for registered models (1000), a version page, a filter's length.
 SEARCH_PAGE = 1000
 VERSIONS_PAGE = 10_000

@@ -32,7 +32,14 @@ from registry_hooks.adapter import (
     parse_adapter_config,
     safetensors_header_length,
 )
-from registry_hooks.plan import guardrail_refusal, newly_promoted, next_manifest, parse_time
+from registry_hooks.plan import (
+    guardrail_refusal,
+    newly_promoted,
+    next_manifest,
+    parse_time,
+    promotion_record,
+    served_aliases,
+)
 from rlops.config import Config, artifacts_s3_client_kwargs, s3_client_kwargs
 from rlops.layout import (
     ADAPTER_CONFIG,
@@ -401,6 +408,11 @@ class Promoter:
                     registry.FOLDER_TAG: route.folder, registry.PROMOTED_AT_TAG: route.promoted_at,
                     registry.PROMOTED_BY_TAG: actor or f"rlops-{trigger}", registry.TRIGGER_TAG: trigger,
                 })
+            moved = {r.version for r in [*old.aliases.values(), *new.aliases.values()]}
+            for version in sorted(v for v in moved if served_aliases(old, v) != served_aliases(new, v)):
+                served_as, history = promotion_record(new, version, TAG_VALUE_LIMIT)
+                registry.set_tags(self.mlflow, model, version,
+                                  {registry.SERVED_AS_TAG: served_as, registry.HISTORY_TAG: history})
             for version in new_refusals:
                 registry.set_tags(self.mlflow, model, version, {registry.REFUSED_TAG: refusals[version][:TAG_VALUE_LIMIT]})
             for alias, refusal in new.refused.items():

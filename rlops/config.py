@@ -76,6 +76,10 @@ class TrackingConfig(_Section):
         "on the same mazes by the paired sign test at p below this; None registers it regardless")
     keep_best_checkpoints: int | None = Field(None, ge=1, description="retention: keep the best k + the latest "
                                               "checkpoints (and registered ones); None keeps all")
+    sample_mazes: int = Field(16, ge=0, le=256, description="answers per eval logged as a table with images (0 = off)")
+    sample_groups: int = Field(2, ge=0, le=64, description="GRPO groups per logging interval logged the same way")
+    system_metrics: bool = Field(True, description="MLflow system metrics (CPU, memory, disk, network; GPU if present)")
+    system_metrics_interval_s: float = Field(10.0, gt=0, description="sampling interval of the system metrics")
 
 
 class ServerConfig(_Section):

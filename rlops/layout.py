@@ -27,7 +27,9 @@ ROUTES_STAMP = "_routes.stamp"
 # versions, promotion reads them (checksums, base, guardrail metric), `promote --force` writes TAG_FORCE.
 TAG_STEP = "rlops.step"
 TAG_SHA256 = "rlops.sha256."  # + file name: the file's sha256, checked after every copy
-TAG_BASE_MODEL = "rlops.base_model"
+TAG_BASE_MODEL = "rlops.base_model"  # the base's portable id (served id, HF id or folder name), never a path
+TAG_BASE_MODEL_SHA256 = "rlops.base_model_sha256"  # content digest of the base's config and weights
+TAG_TRAINER = "rlops.trainer"
 TAG_LORA_RANK = "rlops.lora_rank"
 TAG_RUN_ID = "rlops.run_id"
 TAG_METRIC_KEY = "rlops.metric_key"

@@ -240,6 +240,34 @@ def test_version_whose_logged_model_was_deleted_is_refused(stack, test_config, m
     assert report.served == {} and "no longer exists" in report.refused["production"]["reason"]
 
 
+def test_guardrail_refuses_scores_of_different_eval_sets_and_versions_mirror_the_routes(
+        stack, test_config, mlflow_client, registered):
+    """Scores measured on different eval sets never compare: the refusal names both layout hashes. Each
+    version whose routes changed carries where it is served and its promotion history as tags."""
+    model = test_config.registry.models[0]
+    served, other_set = registered(seed=1, metric=0.5), registered(seed=2, metric=0.9)
+    mlflow_client.set_model_version_tag(model, str(served), "rlops.eval_set_sha256", "a" * 64)
+    mlflow_client.set_model_version_tag(model, str(other_set), "rlops.eval_set_sha256", "b" * 64)
+    mlflow_client.set_registered_model_alias(model, "production", str(served))
+    sync_model(test_config, model, trigger="cli")
+    tags = mlflow_client.get_model_version(model, str(served)).tags
+    assert tags["serving.aliases"] == "production" and tags["serving.history"].startswith("production 20")
+    assert tags["serving.history"].endswith("(cli)")
+
+    mlflow_client.set_registered_model_alias(model, "production", str(other_set))
+    mlflow_client.set_registered_model_alias(model, "staging", str(other_set))
+    report = sync_model(test_config, model, trigger="webhook")
+    assert report.served == {"production": served, "staging": other_set}
+    reason = report.refused["production"]["reason"]
+    assert "different eval sets" in reason and "a" * 64 in reason and "b" * 64 in reason
+    assert mlflow_client.get_model_version(model, str(other_set)).tags["serving.aliases"] == "staging"
+
+    mlflow_client.delete_registered_model_alias(model, "staging")
+    sync_model(test_config, model, trigger="reconciler")
+    assert mlflow_client.get_model_version(model, str(other_set)).tags["serving.aliases"] == "none"
+    assert "staging" in mlflow_client.get_model_version(model, str(other_set)).tags["serving.history"]
+
+
 def test_guardrail_holds_for_every_trigger(stack, test_config, mlflow_client, registered):
     """An alias moved to a worse version in the MLflow UI (then a webhook or reconciler sync) is refused the
     same as `promote` would be: the old target stays, the refusal is in the manifest and on the version."""

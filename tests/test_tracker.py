@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 
 import numpy as np
 import pytest
 from mlflow.entities import Metric
 
-from test_tracker_support import make_peft_adapter, metric_history
+from test_tracker_support import logged_table, make_peft_adapter, metric_history
 from tracker import RunSession
 from rlops.layout import TAG_SHA256, TAG_STEP
 from tracker import outbox as outbox_module
@@ -145,6 +146,10 @@ def test_ranking_and_retention_are_pure():
     ranked = rank_checkpoints(models, "eval/x/avg_score")
     assert [s.model_id for s in ranked] == ["c", "b", "a", "e"]  # tie -> later step
     assert retention_victims(models, ranked, keep_best=1, protected={"a"}) == ["b", "e"]  # keeps best, latest, registered
+    # scores measured on another eval set (another digest) never compete
+    models[1].metrics = [Metric("eval/x/avg_score", 0.99, 0, 20, dataset_name="x", dataset_digest="other")]
+    models[2].metrics = [Metric("eval/x/avg_score", 0.9, 0, 30, dataset_name="x", dataset_digest="ours")]
+    assert [s.model_id for s in rank_checkpoints(models, "eval/x/avg_score", "ours")] == ["c"]
 
 
 # ---------------------------------------------------------------------------------- against MLflow
@@ -199,6 +204,45 @@ def test_run_logs_everything_and_registers_best(test_config, tmp_path, mlflow_cl
                             "rlops.metric_value": "0.75"}
     assert version.aliases == ["candidate"]
     assert list((run_dir / STATE_DIR / "jobs").iterdir()) == []  # every upload landed and was cleaned up
+
+
+def test_samples_land_as_a_table_with_images_and_evals_name_their_dataset(test_config, tmp_path, mlflow_client):
+    from tracker.inputs import DatasetRef
+
+    eval_set = DatasetRef("maze_2d/local7", "e" * 64, source="s3://rlops/datasets/local/eval.parquet", rows=64)
+    train_set = DatasetRef("maze_2d/local7", "t" * 64, source="/data/train.parquet", context="training")
+    test_config.tracking.sample_mazes, test_config.tracking.sample_groups = 2, 1
+    test_config.tracking.system_metrics_interval_s = 0.5
+    image = np.zeros((20, 20, 3), dtype=np.uint8)
+    rendered = []
+
+    def render():  # called on the sample thread, not here
+        rendered.append(threading.current_thread().name)
+        return image
+
+    with RunSession.start(test_config, tmp_path / "run", datasets=[eval_set, train_set]) as session:
+        rows = [{"image": render, "seed": seed, "completion": "up stop", "solved": seed == 1} for seed in range(3)]
+        assert session.log_samples(rows, step=4) == 2 and rendered == []
+        groups = [{"group": g, "image": image, "completion": "left", "advantage": 0.0} for g in (0, 0, 1, 1)]
+        assert session.log_samples(groups, step=3, kind="train") == 2
+        session.log_eval("maze_2d/local7", 0.5, [{"seed": 0, "solved": True, "steps": 3, "final_distance": 0}], step=4)
+        with pytest.raises(ValueError, match="sample kind"):
+            session.log_samples(rows, step=4, kind="other")
+        time.sleep(2)  # a few system-metric samples
+    assert set(rendered) == {"rlops-tracker-samples"}
+    run = mlflow_client.get_run(session.run_id)
+    table = logged_table(mlflow_client, session.run_id, "eval/samples/step_4.json", tmp_path)
+    assert [(r["seed"], r["solved"]) for r in table] == [(0, False), (1, True)]
+    images = {f.path for f in mlflow_client.list_artifacts(session.run_id, "table_images/eval/samples/step_4")}
+    assert all(r["image"]["type"] == "image" and r["image"]["filepath"] in images for r in table)
+    files = {f.path for f in mlflow_client.list_artifacts(session.run_id, "eval/samples")}
+    assert files == {"eval/samples/step_4.json", "eval/samples/step_4.png"}
+    groups = logged_table(mlflow_client, session.run_id, "train/samples/step_3.json", tmp_path)
+    assert [r["group"] for r in groups] == [0, 0]
+    inputs = {(i.dataset.digest, i.dataset.source) for i in run.inputs.dataset_inputs}
+    assert inputs == {("e" * 36, '{"uri": "s3://rlops/datasets/local/eval.parquet"}'),
+                      ("t" * 36, '{"uri": "/data/train.parquet"}')}
+    assert any(key.startswith("system/") for key in run.data.metrics)
 
 
 def test_resume_continues_the_same_run(test_config, tmp_path, mlflow_client):

@@ -23,3 +23,12 @@ def make_peft_adapter(out_dir: Path, seed: int = 0, rank: int = 4) -> Path:
 def metric_history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
     """(step, value) of every point of `key`, sorted; duplicates would show up twice."""
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def logged_table(client: MlflowClient, run_id: str, artifact_file: str, dst: Path) -> list[dict]:
+    """The rows of a table logged with `log_table` (JSON, orient=split), read with the plain client."""
+    import json
+
+    with open(client.download_artifacts(run_id, artifact_file, str(dst))) as fh:
+        table = json.load(fh)
+    return [dict(zip(table["columns"], row)) for row in table["data"]]

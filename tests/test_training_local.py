@@ -7,9 +7,11 @@ from click.testing import CliRunner
 
 from rlops.cli import main
 from training import datasets as ds
+from test_tracker_support import logged_table
+from tracker.lineage import content_digest
 from training.local_trainer import (
-    SAMPLED_METRIC, TrainingError, check_fits_machine, completion_text, estimate_parameters, evaluate,
-    maze_mean_interval, maze_reward, shaped_reward, solved_reward, train, wilson_interval,
+    LORA_TARGETS, SAMPLED_METRIC, TrainingError, check_fits_machine, completion_text, estimate_parameters, evaluate,
+    grpo_mazes, maze_mean_interval, maze_reward, shaped_reward, solved_reward, tiny_init_dir, train, wilson_interval,
 )
 from training.maze import answer_text, generate_maze, move, solve, walk_answer
 
@@ -110,6 +112,8 @@ def test_local_grpo_run_lands_in_mlflow(test_config, mlflow_client, tmp_path):
     local.ckpt_interval = local.eval_interval = 2
     local.max_completion_tokens = 8
     local.eval_samples = 2
+    config.tracking.sample_mazes, config.tracking.sample_groups = 5, 1
+    config.tracking.system_metrics_interval_s = 1.0
     result = train(config, tmp_path / "run", steps=4, budget_s=600, fast=True, log=lambda _: None)
 
     assert result.steps == 4 and [s for s, _ in result.curve] == [0, 2, 4]
@@ -131,15 +135,58 @@ def test_local_grpo_run_lands_in_mlflow(test_config, mlflow_client, tmp_path):
                                                 filter_string=f"source_run_id = '{result.run_id}'")
     steps = sorted(int(m.tags["rlops.step"]) for m in models)
     assert steps == [2, 4]
+    # names and lineage: a readable run name, a portable base id + content digest, the adapter's own params
+    assert run.info.run_name.startswith(f"grpo-tiny-init-r{local.lora_rank}-")
+    base_sha256 = content_digest(tiny_init_dir(config))
     for model in models:
         assert model.tags["rlops.lora_rank"] == str(local.lora_rank)
-        assert model.tags["rlops.base_model"].endswith("tiny-init")
+        assert model.tags["rlops.base_model"] == "tiny-init" and model.tags["rlops.base_model_sha256"] == base_sha256
+        assert model.params == {"lora_rank": str(local.lora_rank), "lora_alpha": str(local.lora_alpha),
+                                "target_modules": ",".join(sorted(LORA_TARGETS)), "base_model": "tiny-init",
+                                "base_model_sha256": base_sha256, "trainer": "trl-grpo-local"}
         files = {a.path for a in mlflow_client.list_logged_model_artifacts(model.model_id)}
         assert {"adapter_config.json", "adapter_model.safetensors"} <= files
+
+    # datasets as inputs, and each linked eval metric names its eval set (MLflow's dataset filter)
+    eval_sha256 = ds.layout_digest(ds.local_eval_set(local.eval_size).mazes())
+    train_sha256 = ds.layout_digest(grpo_mazes(config))
+    inputs = {(i.dataset.name, i.dataset.digest, {t.key: t.value for t in i.tags}["mlflow.data.context"])
+              for i in run.inputs.dataset_inputs}
+    assert inputs == {(source, eval_sha256[:36], "eval"), (source, train_sha256[:36], "training")}
+    assert run.data.params["train_layout_sha256"] == train_sha256
+    for model in models:
+        assert {(m.dataset_name, m.dataset_digest) for m in model.metrics} == {(source, eval_sha256[:36])}
+    on_eval_set = mlflow_client.search_logged_models(
+        experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = '{result.run_id}'",
+        datasets=[{"dataset_name": source, "dataset_digest": eval_sha256[:36]}])
+    assert len(on_eval_set) == 2
+
+    # rollouts to look at: a bounded table with images per eval, a grid image, GRPO groups per log step
+    for step in (0, 2, 4):
+        table = logged_table(mlflow_client, result.run_id, f"eval/samples/step_{step}.json", tmp_path / f"t{step}")
+        assert [r["seed"] for r in table] == list(ds.local_eval_set(local.eval_size).seeds[:5])
+        assert {"image", "prompt", "completion", "moves", "reward", "solved"} <= set(table[0])
+        images = {a.path for a in mlflow_client.list_artifacts(result.run_id, f"table_images/eval/samples/step_{step}")}
+        assert {r["image"]["filepath"] for r in table} <= images
+    assert {a.path for a in mlflow_client.list_artifacts(result.run_id, "eval/samples")} == {
+        f"eval/samples/step_{s}.{ext}" for s in (0, 2, 4) for ext in ("json", "png")}
+    groups = logged_table(mlflow_client, result.run_id, "train/samples/step_1.json", tmp_path / "g")
+    assert len(groups) == local.num_generations and {r["group"] for r in groups} == {0}
+    assert abs(sum(r["advantage"] for r in groups)) < 1e-3 and {"completion", "reward", "image"} <= set(groups[0])
+
+    # the machine and the cost: MLflow's system metrics, throughput and wall time per phase
+    logged = set(run.data.metrics)
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= logged
+    assert {"perf/step_s", "perf/tokens_per_s", "perf/eval_s", "perf/checkpoint_s", "perf/wall_s"} <= logged
 
     assert result.registered_version is not None
     version = mlflow_client.get_model_version(config.registered_model, result.registered_version)
     assert version.tags["rlops.metric_key"] == f"eval/{source}/avg_score"
+    assert version.tags["rlops.eval_set_sha256"] == eval_sha256
+    step = version.tags["rlops.step"]
+    for part in (f"eval/{source}/avg_score", f"step {step}", run.info.run_name, result.run_id, "tiny-init",
+                 base_sha256, eval_sha256):
+        assert part in version.description
     assert mlflow_client.get_model_version_by_alias(config.registered_model, "candidate").version == version.version
 
 

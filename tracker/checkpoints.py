@@ -18,7 +18,9 @@ from typing import Any, Callable
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 
-from rlops.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TAG_SHA256, TAG_STEP
+from rlops.layout import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TAG_BASE_MODEL, TAG_BASE_MODEL_SHA256, TAG_LORA_RANK, TAG_SHA256,
+                          TAG_STEP, TAG_TRAINER)
+from tracker.lineage import checkpoint_params
 from tracker.sender import wait_for_worker
 
 log = logging.getLogger(__name__)
@@ -26,6 +28,8 @@ log = logging.getLogger(__name__)
 JOBS_DIR = "jobs"
 MODEL_TYPE = "lora-adapter"
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
+# run tags every checkpoint of the run carries
+MODEL_TAG_KEYS = (TAG_BASE_MODEL, TAG_BASE_MODEL_SHA256, TAG_LORA_RANK, TAG_TRAINER)
 
 
 def sha256_of(path: Path) -> str:
@@ -68,7 +72,7 @@ class ArtifactUploader:
         self._experiment_id = experiment_id
         self._dir = Path(state_dir) / JOBS_DIR
         self._dir.mkdir(parents=True, exist_ok=True)
-        self._model_tags = model_tags
+        self.model_tags = model_tags
         self._on_checkpoint = on_checkpoint
         self._on_register = on_register
         self._max_backoff_s = max_backoff_s
@@ -174,10 +178,11 @@ class ArtifactUploader:
         step, files_dir = int(spec["step"]), job.with_suffix("")
         if spec["model_id"] is None:
             sums = {name: sha256_of(files_dir / name) for name in ADAPTER_FILES}
-            tags = {**self._model_tags, TAG_STEP: str(step), **{TAG_SHA256 + n: s for n, s in sums.items()}}
+            tags = {**self.model_tags, TAG_STEP: str(step), **{TAG_SHA256 + n: s for n, s in sums.items()}}
             model = self._client.create_logged_model(
                 experiment_id=self._experiment_id, name=f"lora-step-{step}", source_run_id=self._run_id,
-                tags=tags, model_type=MODEL_TYPE)
+                tags=tags, params=checkpoint_params(files_dir / ADAPTER_CONFIG, self.model_tags),
+                model_type=MODEL_TYPE)
             spec["model_id"] = model.model_id
             _write_json(job, spec)  # from here on a retry reuses this LoggedModel
         model_id = spec["model_id"]

@@ -21,11 +21,16 @@ together; every other key keeps TRL's name (MLflow-illegal characters mapped as 
 `on_save`: the PEFT adapter in `<output_dir>/checkpoint-<step>/` is logged as a LoggedModel. Before the
 Trainer writes a checkpoint (`control.should_save` at `on_step_end`/`on_log`), the session's queued
 points are written to its spool, so resuming from that checkpoint after a kill -9 replays every lost step.
+Throughput and wall time per phase (`perf/*`): `step_s` (generation + optimisation, mean per step since
+the last log), `tokens_per_s` (TRL's `num_tokens`, prompt and completion tokens seen, per second of wall
+time since the last log), `checkpoint_s` (end of the step to the checkpoint hook: logging and saving) and
+`wall_s` (since training began).
 The callback never ends the run: whoever started the session owns its end.
 """
 from __future__ import annotations
 
 import numbers
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -74,8 +79,16 @@ class TrackerCallback(TrainerCallback):
         self.session = session
         self.eval_data_source = eval_data_source or session.config.training.eval_data_source
         self.score_metric = score_metric
+        self._clock = PhaseClock()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._clock.begin()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._clock.step_begin()
 
     def on_step_end(self, args, state, control, **kwargs):
+        self._clock.step_end()
         if state.is_world_process_zero and control.should_save:
             self.session.barrier()
 
@@ -83,6 +96,7 @@ class TrackerCallback(TrainerCallback):
         if state.is_world_process_zero and logs:
             metrics = train_metrics(logs)
             if metrics:
+                metrics.update(self._clock.interval(logs.get("num_tokens")))
                 self.session.log_metrics(metrics, step=state.global_step)
             if control.should_save:
                 self.session.barrier()
@@ -97,3 +111,39 @@ class TrackerCallback(TrainerCallback):
         if state.is_world_process_zero:
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
             self.session.log_checkpoint(folder, step=state.global_step)
+            self.session.log_metrics(self._clock.since_step_end("perf/checkpoint_s"), step=state.global_step)
+
+
+class PhaseClock:
+    """Wall time per phase of a training loop, read on the training thread (a few clock reads per step)."""
+
+    def __init__(self):
+        self.started = self._last_log = self._step_begin = self._step_end = time.monotonic()
+        self._step_s: list[float] = []
+        self._tokens: float | None = None
+
+    def begin(self) -> None:
+        self.started = self._last_log = self._step_end = time.monotonic()
+
+    def step_begin(self) -> None:
+        self._step_begin = time.monotonic()
+
+    def step_end(self) -> None:
+        self._step_end = time.monotonic()
+        self._step_s.append(self._step_end - self._step_begin)
+
+    def interval(self, tokens_seen: Any) -> dict[str, float]:
+        """perf/* since the last call: mean step time, tokens per second (from a cumulative count), wall."""
+        now = time.monotonic()
+        out = {"perf/wall_s": now - self.started}
+        if self._step_s:
+            out["perf/step_s"] = sum(self._step_s) / len(self._step_s)
+        if isinstance(tokens_seen, numbers.Real) and self._tokens is not None and now > self._last_log:
+            out["perf/tokens_per_s"] = (float(tokens_seen) - self._tokens) / (now - self._last_log)
+        if isinstance(tokens_seen, numbers.Real):
+            self._tokens = float(tokens_seen)
+        self._step_s, self._last_log = [], now
+        return out
+
+    def since_step_end(self, key: str) -> dict[str, float]:
+        return {key: time.monotonic() - self._step_end}

@@ -61,10 +61,12 @@ class MetricOutbox:
         metrics = dict(metrics) if plain else {k: as_float(k, v) for k, v in metrics.items()}
         self._queue.append((step, time.time_ns() // 1_000_000, metrics))
 
-    def put_points(self, points: list[Point]) -> None:
-        """Points built elsewhere (evals and their links), whatever their step."""
+    def put_points(self, points: list[Point], dataset_of: Callable[[str], tuple[str, str] | None] = lambda key: None
+                   ) -> None:
+        """Points built elsewhere (evals and their links), whatever their step; `dataset_of(key)`: the
+        (name, digest) of the eval set a point was measured on."""
         if points:
-            self._queue.append([encode(*p) for p in points])
+            self._queue.append([encode(*p, dataset=dataset_of(p.key)) for p in points])
 
     def barrier(self) -> None:
         """Write every point handed over so far to the spool file (on the caller's thread)."""

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 
 from rlops.config import Config
-from tracker import baseline, registry
+from rlops.layout import TAG_BASE_MODEL, TAG_BASE_MODEL_SHA256
+from tracker import baseline, lineage, registry
 from tracker.evals import eval_source
+from tracker.inputs import EvalDatasets
 from tracker.naming import eval_key
 from tracker.rest import MlflowRest
 from tracker.spool import Point
@@ -35,7 +37,7 @@ class Registration:
 
     def __init__(self, config: Config, client: MlflowClient, rest: MlflowRest, run_id: str, experiment_id: str,
                  state_path: Path, *, landed: Callable[[float], bool], points_landed: Callable[[float], bool],
-                 queue: Callable[[str], None]):
+                 queue: Callable[[str], None], datasets: EvalDatasets, model_tags: Mapping[str, str]):
         self._config = config
         self._client = client
         self._rest = rest
@@ -45,6 +47,8 @@ class Registration:
         self._landed = landed
         self._points_landed = points_landed
         self._queue = queue
+        self._datasets = datasets
+        self._model_tags = model_tags
         self.registered: ModelVersion | None = None
         self.refused: str | None = None  # why the last registration registered nothing, if it did not
 
@@ -81,7 +85,8 @@ class Registration:
         `tracking.register_aliases`, then apply `tracking.keep_best_checkpoints`."""
         key = eval_key(source, self._config.tracking.best_metric)
         models = registry.run_checkpoints(self._client, self._experiment_id, self._run_id)
-        scored = registry.rank_checkpoints(models, key)
+        dataset = self._datasets.get(source)  # scores of other eval sets than the logged one never compare
+        scored = registry.rank_checkpoints(models, key, dataset.digest if dataset else None)
         if not scored:
             log.warning("register_best: no checkpoint of run %s carries %s", self._run_id, key)
             return None
@@ -93,8 +98,15 @@ class Registration:
             return None
         self.refused = None
         name = self._config.registered_model
+        eval_sha256 = dataset.layout_sha256 if dataset else None
+        description = lineage.version_description(
+            metric_key=key, value=scored[0].value, step=scored[0].step, run_id=self._run_id,
+            run_name=self._client.get_run(self._run_id).info.run_name,
+            base_model=self._model_tags.get(TAG_BASE_MODEL),
+            base_digest=self._model_tags.get(TAG_BASE_MODEL_SHA256), eval_set=source, eval_digest=eval_sha256)
         version = registry.register_checkpoint(self._client, name, self._run_id, scored[0], key,
-                                               self._config.tracking.register_aliases)
+                                               self._config.tracking.register_aliases,
+                                               eval_set_sha256=eval_sha256, description=description)
         self._client.set_tag(self._run_id, TAG_REGISTRATION, f"{name} v{version.version} (step {scored[0].step})")
         self.registered = version
         keep_best = self._config.tracking.keep_best_checkpoints

@@ -15,7 +15,7 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 
-from rlops.layout import TAG_METRIC_KEY, TAG_METRIC_VALUE, TAG_RUN_ID, TAG_STEP
+from rlops.layout import TAG_EVAL_SET, TAG_METRIC_KEY, TAG_METRIC_VALUE, TAG_RUN_ID, TAG_STEP
 from tracker.checkpoints import MODEL_TYPE
 from tracker.evals import table_artifact
 
@@ -60,11 +60,14 @@ def checkpoint_step(model: LoggedModel) -> int:
     return int(model.tags[TAG_STEP])
 
 
-def rank_checkpoints(models: list[LoggedModel], metric_key: str) -> list[ScoredCheckpoint]:
-    """Checkpoints that carry `metric_key`, best (highest) first; a tie goes to the later step."""
+def rank_checkpoints(models: list[LoggedModel], metric_key: str,
+                     dataset_digest: str | None = None) -> list[ScoredCheckpoint]:
+    """Checkpoints that carry `metric_key`, best (highest) first; a tie goes to the later step. With
+    `dataset_digest`, only scores measured on that eval set count: scores of other sets never compare."""
     scored = []
     for model in models:
-        values = [m for m in (model.metrics or []) if m.key == metric_key]
+        values = [m for m in (model.metrics or []) if m.key == metric_key
+                  and (dataset_digest is None or m.dataset_digest == dataset_digest)]
         if values:
             latest = max(values, key=lambda m: (m.step, m.timestamp))
             scored.append(ScoredCheckpoint(model.model_id, checkpoint_step(model), latest.value))
@@ -72,9 +75,11 @@ def rank_checkpoints(models: list[LoggedModel], metric_key: str) -> list[ScoredC
 
 
 def register_checkpoint(client: MlflowClient, name: str, run_id: str, best: ScoredCheckpoint, metric_key: str,
-                        aliases: list[str]) -> ModelVersion:
+                        aliases: list[str], *, eval_set_sha256: str | None = None,
+                        description: str | None = None) -> ModelVersion:
     """Register `models:/<model_id>` as a version of `name` (reusing a version already made from the same
-    LoggedModel, so a repeated call is idempotent) and point `aliases` at it."""
+    LoggedModel, so a repeated call is idempotent) and point `aliases` at it. `eval_set_sha256` (the eval
+    set's full layout hash) is what the promotion guardrail compares."""
     try:
         client.create_registered_model(name)
     except MlflowException as exc:
@@ -88,8 +93,10 @@ def register_checkpoint(client: MlflowClient, name: str, run_id: str, best: Scor
     else:
         tags = {TAG_RUN_ID: run_id, TAG_STEP: str(best.step), TAG_METRIC_KEY: metric_key,
                 TAG_METRIC_VALUE: repr(float(best.value))}
+        if eval_set_sha256:
+            tags[TAG_EVAL_SET] = eval_set_sha256
         version = client.create_model_version(name=name, source=source, run_id=run_id, tags=tags,
-                                              model_id=best.model_id)
+                                              model_id=best.model_id, description=description)
     for alias in aliases:
         client.set_registered_model_alias(name, alias, version.version)
     return client.get_model_version(name, version.version)

@@ -7,7 +7,7 @@ import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from mlflow import MlflowClient
 from mlflow.entities import Param, RunTag
@@ -17,7 +17,9 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from rlops.config import Config, mask_uri, mask_value
 from rlops.layout import TAG_BASE_MODEL, TAG_LORA_RANK
 from tracker import state
+from tracker.checkpoints import MODEL_TAG_KEYS
 from tracker.heartbeat import TAG_HEARTBEAT, beat
+from tracker.inputs import DatasetRef, log_datasets, store_datasets
 from tracker.lifecycle import FINISHED, MAX_TAG_VALUE
 from tracker.naming import redacted_params, split_param_changes
 from tracker.rest import MAX_TAGS_PER_BATCH
@@ -27,7 +29,7 @@ TAG_RESUMES = "rlops.resumes"
 TAG_HOST = "rlops.host"
 TAG_GIT_COMMIT = "rlops.git_commit"
 TAG_RESUMED_FROM_STEP = "rlops.resumed_after_step"
-MODEL_TAGS = (TAG_BASE_MODEL, TAG_LORA_RANK)  # copied onto each checkpoint's LoggedModel
+MODEL_TAGS = MODEL_TAG_KEYS  # copied onto each checkpoint's LoggedModel (those the run has)
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +39,16 @@ class OpenedRun:
     client: MlflowClient
     run_id: str
     experiment_id: str
-    model_tags: dict[str, str]  # the run's base model and rank, for its checkpoints
+    model_tags: dict[str, str]  # the run's base model, rank and trainer, for its checkpoints
     archived: Path | None  # where the run dir's previous (finished) run was moved, if any
 
 
 def open_run(config: Config, run_dir: Path, params: Mapping[str, Any], tags: Mapping[str, str],
-             run_name: str | None, resume: bool | None, *, drain_stored: Callable[[], str]) -> OpenedRun:
+             run_name: str | None, resume: bool | None, *, drain_stored: Callable[[], str],
+             datasets: Sequence[DatasetRef] = ()) -> OpenedRun:
     """Continue the run stored in `run_dir`, or create one (see `RunSession.start` for `resume`). Before a
-    new run replaces a stored one, `drain_stored()` lands what that one left ('' = all of it)."""
+    new run replaces a stored one, `drain_stored()` lands what that one left ('' = all of it). `datasets`
+    are logged as the run's inputs and kept in its state (evals link to them)."""
     client = client_for(config)
     run_tags = default_tags(config) | {str(k): str(mask_value(str(k), v)) for k, v in tags.items()}
     run_id, archived = state.stored_run_id(run_dir), None
@@ -65,13 +69,15 @@ def open_run(config: Config, run_dir: Path, params: Mapping[str, Any], tags: Map
             state.write_run(run_dir, {"run_id": run.info.run_id, "experiment_id": experiment,
                                       "tracking_uri": mask_uri(config.tracking_uri)})
         log_params_and_tags(client, run, redacted_params(params), run_tags)
+        log_datasets(client, run.info.run_id, datasets)
+        store_datasets(state.state_dir(run_dir), datasets)
     except MlflowException as exc:
         raise ConnectionError(f"cannot {'resume' if run_id else 'start'} the MLflow run at "
                               f"{mask_uri(config.tracking_uri)}: {exc.message}") from exc
     log.info("tracking run %s (%s) in %s", run.info.run_id, "resumed" if run_id else "new", config.tracking_uri)
     # the trainer's tags win over config defaults
-    return OpenedRun(client, run.info.run_id, run.info.experiment_id, {key: run_tags[key] for key in MODEL_TAGS},
-                     archived)
+    return OpenedRun(client, run.info.run_id, run.info.experiment_id,
+                     {key: run_tags[key] for key in MODEL_TAGS if key in run_tags}, archived)
 
 
 def client_for(config: Config) -> MlflowClient:

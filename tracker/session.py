@@ -15,22 +15,24 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 
 from rlops.config import Config
-from tracker import lifecycle, run_start, state
+from tracker import lifecycle, run_start, state, system
 from tracker.checkpoints import ArtifactUploader
 from tracker.evals import EvalLinking, eval_table, table_artifact
 from tracker.heartbeat import Heartbeat
+from tracker.inputs import DatasetRef, EvalDatasets, stored_datasets
 from tracker.lifecycle import ExitGuard
 from tracker.lock import RunDirLock
 from tracker.naming import as_float, check_metrics, check_step, eval_key
 from tracker.outbox import MetricOutbox
 from tracker.registration import Registration
 from tracker.rest import MlflowRest
+from tracker.samples import KINDS, SampleUploader, bounded, check_rows
 from tracker.sender import TAG_DEAD_LETTERS
 from tracker.state import STATE_DIR, state_dir
 
@@ -60,10 +62,13 @@ class RunSession:
         self._outbox = MetricOutbox(self._state, self._rest, run_id, batch_size=config.tracking.batch_size,
                                     max_backoff_s=config.tracking.retry_max_backoff_s,
                                     on_dead_letters=self._tag_dead_letters)
+        self._datasets = EvalDatasets(stored_datasets(self._state))
         self._registration = Registration(config, client, self._rest, run_id, experiment_id, self._state,
                                           landed=self.flush, points_landed=self._outbox.flush,
-                                          queue=lambda source: self._uploader.add_registration(source))
-        self._evals = EvalLinking(self._state / state.EVALS_FILE, self._outbox.put_points,
+                                          queue=lambda source: self._uploader.add_registration(source),
+                                          datasets=self._datasets, model_tags=model_tags)
+        self._evals = EvalLinking(self._state / state.EVALS_FILE,
+                                  lambda points: self._outbox.put_points(points, self._datasets.link),
                                   self._registration.after_links)
         self._uploader = ArtifactUploader(
             client, run_id, experiment_id, self._state, model_tags=model_tags,
@@ -72,8 +77,13 @@ class RunSession:
         self._checkpoint_steps = self._evals.linked_steps | self._uploader.queued_checkpoint_steps()
         self._heartbeat: Heartbeat | None = None
         self._exit_guard: ExitGuard | None = None
+        self._samples: SampleUploader | None = None
+        self._system: system.SystemMetrics | None = None
         if not live:
             return
+        self._samples = SampleUploader(client, run_id, max_backoff_s=config.tracking.retry_max_backoff_s)
+        self._system = system.start(run_id, config.tracking_uri, config.tracking.system_metrics_interval_s,
+                                    enabled=config.tracking.system_metrics, resume=self.resumed_after_step >= 0)
         state.clear_intended_end(self.run_dir)  # this session decides the end now
         self._heartbeat = Heartbeat(self._rest, run_id, config.tracking.heartbeat_interval_s)
         # An interpreter exit without finish(): still land what is spooled (bounded); the run stays RUNNING
@@ -84,8 +94,10 @@ class RunSession:
 
     @classmethod
     def start(cls, config: Config, run_dir: Path, *, params: Mapping[str, Any] = {}, tags: Mapping[str, str] = {},
-              run_name: str | None = None, resume: bool | None = None) -> "RunSession":
-        """Start a run, or continue the one stored in `run_dir` (the trainer's output dir).
+              run_name: str | None = None, resume: bool | None = None,
+              datasets: Sequence[DatasetRef] = ()) -> "RunSession":
+        """Start a run, or continue the one stored in `run_dir` (the trainer's output dir). `datasets`: the
+        train/eval sets, logged as run inputs; eval points of a listed eval set are linked to it.
 
         `resume=None`: continue a stored run unless it FINISHED (then a new run starts and the finished
         one's state moves to `<run_dir>/previous-<run_id>/`); True: always continue it; False: always a
@@ -102,7 +114,7 @@ class RunSession:
         lock = RunDirLock(run_dir, config.tracking.lock_lease_s)
         lock.acquire()
         try:
-            session = cls._start_locked(config, run_dir, lock, params, tags, run_name, resume)
+            session = cls._start_locked(config, run_dir, lock, params, tags, run_name, resume, datasets)
         except BaseException:
             lock.release()
             raise
@@ -110,8 +122,9 @@ class RunSession:
         return session
 
     @classmethod
-    def _start_locked(cls, config, run_dir: Path, lock: RunDirLock, params, tags, run_name, resume) -> "RunSession":
-        opened = run_start.open_run(config, run_dir, params, tags, run_name, resume,
+    def _start_locked(cls, config, run_dir: Path, lock: RunDirLock, params, tags, run_name, resume,
+                      datasets) -> "RunSession":
+        opened = run_start.open_run(config, run_dir, params, tags, run_name, resume, datasets=datasets,
                                     drain_stored=lambda: cls._drain_stored(config, run_dir, lock))
         session = cls(config, run_dir, opened.client, opened.run_id, opened.experiment_id, opened.model_tags, lock,
                       archived=opened.archived)
@@ -133,7 +146,8 @@ class RunSession:
         client = run_start.client_for(config)
         run = client.get_run(record["run_id"])
         defaults = run_start.default_tags(config)
-        model_tags = {key: run.data.tags.get(key, defaults[key]) for key in run_start.MODEL_TAGS}
+        model_tags = {key: run.data.tags.get(key, defaults.get(key)) for key in run_start.MODEL_TAGS}
+        model_tags = {key: value for key, value in model_tags.items() if value is not None}
         return cls(config, run_dir, client, run.info.run_id, run.info.experiment_id, model_tags, lock, live=False)
 
     @classmethod
@@ -259,6 +273,23 @@ class RunSession:
         if table:
             self._uploader.add_table(table_artifact(data_source, step), table)
 
+    def log_samples(self, rows: list[dict], step: int, *, kind: str = "eval") -> int:
+        """Log a bounded sample of answers (`tracking.sample_mazes` eval rows, or the rows of the first
+        `tracking.sample_groups` GRPO groups for kind="train") as `<eval|train>/samples/step_<N>.json`
+        with an image column (`image`: PIL image, HxWx3 array, or a callable rendering one) and a grid
+        `step_<N>.png`. Returns the rows queued; everything else happens on a background thread."""
+        self._check_open()
+        step = check_step(step)
+        if kind not in KINDS:
+            raise ValueError(f"sample kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        check_rows(rows)
+        limit = self.config.tracking.sample_mazes if kind == "eval" else self.config.tracking.sample_groups
+        rows = bounded(rows, kind, limit)
+        if not rows or self._samples is None or (kind == "train" and step <= self.resumed_after_step):
+            return 0
+        self._samples.add(kind, step, rows)
+        return len(rows)
+
     def log_eval_metrics(self, metrics: Mapping[str, float], step: int) -> int:
         """Log eval metrics (`eval/<data_source>/<name>`) and link them to this step's checkpoint, whether
         the checkpoint is logged before or after the eval. Returns how many points were logged (an eval of
@@ -286,7 +317,10 @@ class RunSession:
         """Wait up to `timeout_s` until every checkpoint, table and metric so far has landed."""
         deadline = time.monotonic() + timeout_s
         uploaded = self._uploader.flush(timeout_s)
-        return self._outbox.flush(max(0.0, deadline - time.monotonic())) and uploaded
+        sent = self._outbox.flush(max(0.0, deadline - time.monotonic()))
+        if self._samples is not None:
+            self._samples.flush(max(0.0, deadline - time.monotonic()))  # best effort: not part of the verdict
+        return sent and uploaded
 
     def drain(self, timeout_s: float) -> str:
         """(A drain session) land what the stored run left, apply the end it recorded, close. Returns what
@@ -355,6 +389,10 @@ class RunSession:
         """Stop the workers, then close the files they write (an upload still in flight past the bound
         finds them closed and leaves its job for the next start)."""
         self._outbox.stop()
+        if self._system is not None:
+            self._system.stop()
+        if self._samples is not None:
+            self._samples.stop()
         if not self._uploader.stop():
             log.warning("run %s: an upload is still in flight; its job stays in %s", self._run_id, self._state)
         self._outbox.close()

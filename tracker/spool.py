@@ -55,8 +55,10 @@ def _json_string(text: str) -> str:
     return json.dumps(text)
 
 
-def encode(key: str, value: float, timestamp_ms: int, step: int, model_id: str | None = None) -> str:
-    """REST `Metric` JSON; non-finite values use protobuf-JSON's string names."""
+def encode(key: str, value: float, timestamp_ms: int, step: int, model_id: str | None = None,
+           dataset: tuple[str, str] | None = None) -> str:
+    """REST `Metric` JSON; non-finite values use protobuf-JSON's string names. `dataset`: the (name, digest)
+    of the eval set an eval point was measured on."""
     if math.isfinite(value):
         number = repr(value)
     else:
@@ -64,6 +66,8 @@ def encode(key: str, value: float, timestamp_ms: int, step: int, model_id: str |
     body = '{"key":%s,"value":%s,"timestamp":%d,"step":%d' % (_json_string(key), number, timestamp_ms, step)
     if model_id:
         body += ',"model_id":%s' % _json_string(model_id)
+    if dataset:
+        body += ',"dataset_name":%s,"dataset_digest":%s' % (_json_string(dataset[0]), _json_string(dataset[1]))
     return body + "}"
 
 

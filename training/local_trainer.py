@@ -9,10 +9,12 @@ Entry point for the CLI, the demo and the bench: `train(config, run_dir, budget_
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
 import re
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,8 +24,9 @@ from transformers import ProgressCallback, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from rlops.config import Config
+from rlops.layout import TAG_BASE_MODEL_SHA256, TAG_TRAINER
 from training import datasets as ds
-from training.maze import Maze, WalkResult, answer_text, random_walk, render, solve, walk_answer
+from training.maze import Maze, WalkResult, answer_moves, answer_text, random_walk, render, solve, walk_answer
 
 TINY_INIT_DIR = "tiny-init"
 TINY_INIT_MARKER = "rlops-tiny-init.json"
@@ -79,6 +82,14 @@ def completion_text(completion: Any) -> str:
                     else " ".join(p.get("text", "") for p in m.get("content") or []) for m in completion)
 
 
+def sample_row(maze: Maze, answer: str, walk: WalkResult) -> dict:
+    """One row of a sample table: the maze image (rendered later, off the training thread), the answer,
+    how it was read and what it scored."""
+    return {"image": functools.partial(maze_image, maze), "seed": maze.seed, "prompt": ds.LOCAL_PROMPT,
+            "completion": answer, "moves": " ".join(answer_moves(answer)), "reward": shaped_reward(walk),
+            "solved": walk.solved}
+
+
 def maze_reward(prompts: list, completions: list, layout: list[str], **_: Any) -> list[float]:
     """TRL reward function; `layout` is the dataset column naming each prompt's maze."""
     return [shaped_reward(walk_answer(ds.maze_from_layout(lay), completion_text(c)))
@@ -107,6 +118,8 @@ class EvalResult:
     rows: list[dict]
     sampled_rate: float | None = None
     sampled_ci95: tuple[float, float] | None = None
+    samples: list[dict] = field(default_factory=list)  # greedy answers, per maze (the tracker logs a bounded few)
+    seconds: float = 0.0  # wall time of the eval
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -172,11 +185,13 @@ def evaluate(model, processor, maze_set: ds.MazeSet, max_new_tokens: int, sample
     """Greedy solve rate (unshaped task reward) on a named maze set, with per-maze rows; with `samples` > 0
     also pass@1 of `samples` answers per maze sampled at `temperature`."""
     mazes = maze_set.mazes()
-    walks = [walk_answer(m, a) for m, a in zip(mazes, generate_answers(model, processor, mazes, max_new_tokens))]
+    answers = generate_answers(model, processor, mazes, max_new_tokens)
+    walks = [walk_answer(m, a) for m, a in zip(mazes, answers)]
     rows = [{"seed": m.seed, "solved": w.solved, "steps": w.steps, "final_distance": w.final_distance}
             for m, w in zip(mazes, walks)]
     solved = sum(w.solved for w in walks)
-    result = EvalResult(maze_set.data_source, solved / len(mazes), wilson_interval(solved, len(mazes)), rows)
+    result = EvalResult(maze_set.data_source, solved / len(mazes), wilson_interval(solved, len(mazes)), rows,
+                        samples=[sample_row(m, a, w) for m, a, w in zip(mazes, answers, walks)])
     if samples > 0:
         repeated = [m for m in mazes for _ in range(samples)]
         answers = generate_answers(model, processor, repeated, max_new_tokens, temperature=temperature)
@@ -369,21 +384,49 @@ class TrainResult:
         return data | {k: getattr(self, k) for k in ("before", "after", "sampled_before", "sampled_after")}
 
 
-def _grpo_dataset(config: Config):
+GRPO_PROMPTS = 2048
+
+
+def grpo_mazes(config: Config) -> list[Maze]:
     """GRPO prompts: mazes of the eval size only. On the smaller ones the SFT base is nearly always right,
     so half of all groups had identical rewards (no signal); on the eval size alone ~10% had (tried here)."""
+    local = config.training.local
+    return ds.training_mazes([local.eval_size], GRPO_PROMPTS, exclude=ds.local_eval_sets(local.eval_size))
+
+
+def _grpo_dataset(mazes: list[Maze]):
     from datasets import Dataset
 
-    local = config.training.local
-    mazes = ds.training_mazes([local.eval_size], 2048,
-                              exclude=ds.local_eval_sets(local.eval_size))
     rows = [{"prompt": [{"role": "user", "content": ds.LOCAL_PROMPT}], "image": maze_image(m),
              "layout": json.dumps(m.layout(), sort_keys=True)} for m in mazes]
     return Dataset.from_list(rows)
 
 
+def run_datasets(config: Config, train_mazes: list[Maze]) -> list:
+    """The run's inputs: the GRPO prompt set and the fixed eval set, both built in memory from seeds."""
+    from tracker.inputs import EVAL, TRAINING, DatasetRef
+
+    eval_set = ds.local_eval_set(config.training.local.eval_size)
+    size = config.training.local.eval_size
+    return [
+        DatasetRef(f"maze_2d/local{size}", ds.layout_digest(train_mazes), source_type="generated",
+                   source=f"training.local_trainer.grpo_mazes: {len(train_mazes)} mazes {size}x{size} from seed "
+                          f"{ds.TRAIN_SEED_START}, eval layouts excluded", context=TRAINING, rows=len(train_mazes)),
+        DatasetRef(eval_set.data_source, ds.layout_digest(eval_set.mazes()), source_type="generated",
+                   source=f"training.datasets.local_eval_set({size}): seeds {eval_set.seeds[0]}-{eval_set.seeds[-1]}",
+                   context=EVAL, rows=len(eval_set.seeds)),
+    ]
+
+
+def base_identity(config: Config, base: Path) -> tuple[str, str | None]:
+    """(portable id, content sha256) of the run's base: the served id when it is serving's base."""
+    from tracker.lineage import content_digest, portable_base_id
+
+    return portable_base_id(base, {config.base_model_source: config.serving.base_model_id}), content_digest(base)
+
+
 def _run_config(config: Config, base_model: str) -> Config:
-    """The config the run records: this run's base and LoRA rank (tags on every checkpoint)."""
+    """The config the run records: this run's base (portable id) and LoRA rank (tags on every checkpoint)."""
     run_config = config.model_copy(deep=True)
     run_config.training.base_model = base_model
     run_config.training.lora_rank = config.training.local.lora_rank
@@ -410,6 +453,44 @@ class FixedEvalCallback(TrainerCallback):
         self._eval(model, state.global_step)
 
 
+def group_rows(layouts: list[str], completions: list[str], rewards: list[float], group_size: int) -> list[dict]:
+    """Sample rows of one GRPO generation batch: consecutive `group_size` completions share a prompt; the
+    advantage is GRPO's default (TRL `scale_rewards="group"`): (reward - group mean) / (group std + 1e-4)."""
+    rows = []
+    for start in range(0, len(completions) - group_size + 1, group_size):
+        group = rewards[start:start + group_size]
+        mean, std = sum(group) / len(group), statistics.stdev(group) if len(group) > 1 else 0.0
+        maze = ds.maze_from_layout(layouts[start])
+        for i in range(start, start + group_size):
+            walk = walk_answer(maze, completions[i])
+            rows.append({"group": start // group_size, **sample_row(maze, completions[i], walk),
+                         "reward": rewards[i], "advantage": (rewards[i] - mean) / (std + 1e-4)})
+    return rows
+
+
+class GroupSampleCallback(TrainerCallback):
+    """Keeps the last generation batch the training reward scored (TRL calls it with every batch) and logs
+    the first groups of it at each logging step: what the policy tried, and what GRPO made of it."""
+
+    def __init__(self, session, group_size: int):
+        self.session, self.group_size = session, group_size
+        self._batch: tuple[list[str], list[str], list[float]] | None = None
+
+    def observe(self, reward: Callable) -> Callable:
+        """`reward`, under its own name (TRL logs it by name), keeping each batch it scores."""
+        @functools.wraps(reward)
+        def scored(prompts: list, completions: list, layout: list[str], **kwargs: Any) -> list[float]:
+            rewards = reward(prompts, completions, layout, **kwargs)
+            self._batch = (list(layout), [completion_text(c) for c in completions], rewards)
+            return rewards
+        return scored
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._batch is not None and state.is_world_process_zero:
+            self.session.log_samples(group_rows(*self._batch, self.group_size), step=state.global_step, kind="train")
+            self._batch = None
+
+
 class QuietProgressCallback(ProgressCallback):
     """The progress bar without a printed dict per step (every step is logged to MLflow instead)."""
 
@@ -433,10 +514,16 @@ class BudgetCallback(TrainerCallback):
             control.should_save = True
 
 
-def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callbacks: list, processor):
-    """TRL's GRPOTrainer for the maze: LoRA on the language model, the task reward (or, with `reward:
-    shaped`, the shaped one) for training and the other logged beside it (weight 0), checkpoints every
-    min(eval, ckpt) interval."""
+def training_rewards(local) -> tuple[Callable, Callable]:
+    """(the reward GRPO trains on, the other one logged beside it with weight 0): the task reward, or with
+    `reward: shaped` the shaped one."""
+    return (maze_reward, solved_reward) if local.reward == "shaped" else (solved_reward, maze_reward)
+
+
+def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callbacks: list, processor,
+                 mazes: list[Maze] | None = None, observe: Callable[[Callable], Callable] = lambda reward: reward):
+    """TRL's GRPOTrainer for the maze: LoRA on the language model, the training reward (`observe`d, e.g. to
+    keep its batches) and the other logged beside it, checkpoints every min(eval, ckpt) interval."""
     import torch
     from peft import LoraConfig
     from transformers import AutoModelForImageTextToText
@@ -450,7 +537,7 @@ def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callback
         per_device_train_batch_size=local.num_generations * local.prompts_per_step,
         num_generations=local.num_generations, max_completion_length=local.max_completion_tokens,
         temperature=local.temperature, beta=local.beta,
-        reward_weights=[1.0, 0.0] if local.reward == "shaped" else [0.0, 1.0],
+        reward_weights=[1.0, 0.0],
         use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", logging_steps=1,
         # full checkpoints (optimizer, scheduler, RNG, global step): a rerun on the run dir resumes from them
         save_strategy="steps", save_steps=min(local.ckpt_interval, local.eval_interval), save_only_model=False,
@@ -458,8 +545,9 @@ def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callback
     )
     peft_config = LoraConfig(r=local.lora_rank, lora_alpha=local.lora_alpha, lora_dropout=0.0,
                              target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=model, reward_funcs=[maze_reward, solved_reward], args=args,
-                          train_dataset=_grpo_dataset(config), processing_class=processor,
+    trained, beside = training_rewards(local)
+    trainer = GRPOTrainer(model=model, reward_funcs=[observe(trained), beside], args=args,
+                          train_dataset=_grpo_dataset(grpo_mazes(config) if mazes is None else mazes), processing_class=processor,
                           peft_config=peft_config, callbacks=callbacks)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(QuietProgressCallback)
@@ -484,7 +572,8 @@ def archive_checkpoints(run_dir: Path, dest: Path) -> None:
 
 
 def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps: int | None = None,
-          fast: bool = False, resume: bool | None = None, log: Callable[[str], None] = print) -> TrainResult:
+          fast: bool = False, resume: bool | None = None, run_name: str | None = None,
+          log: Callable[[str], None] = print) -> TrainResult:
     """Run SFT (cached) if needed, GRPO + LoRA with the tracker, eval on the fixed set after each
     checkpoint, and register the best checkpoint (alias `candidate`). `fast` skips SFT and uses the
     random-init tiny base (tests) and registers without comparing with that base. Returns the curve and the
@@ -494,10 +583,11 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
     A run dir whose run did not finish continues it: the trainer resumes from its latest checkpoint
     (weights, optimizer, scheduler, RNG, global step) and the MLflow run continues after its last step.
     A FINISHED one starts a new run (its checkpoints move to `previous-<run_id>/`) unless `resume=True`
-    (continue it, e.g. with more steps); `resume=False` always starts a new run."""
+    (continue it, e.g. with more steps); `resume=False` always starts a new run. A new run is named
+    `run_name`, default `grpo-<base>-r<rank>-<date>`."""
     from transformers import AutoProcessor
 
-    from tracker import RunSession
+    from tracker import RunSession, lineage
     from tracker.hf import TrackerCallback
     from tracker.naming import eval_key
 
@@ -513,13 +603,20 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
         config = config.model_copy(update={"tracking": config.tracking.model_copy(update={"beat_base_max_p": None})})
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    params = {**local.model_dump(), "base_model": str(base), "fast": fast, "steps": steps, "budget_s": budget_s,
-              "eval_data_source": ds.local_eval_set(local.eval_size).data_source,
-              "eval_layout_sha256": ds.layout_digest(ds.local_eval_set(local.eval_size).mazes())}
-    result = TrainResult(run_id="", base_model=str(base), steps=0, seconds=0.0, seconds_per_step=0.0,
-                         eval_data_source=ds.local_eval_set(local.eval_size).data_source)
-    with RunSession.start(_run_config(config, str(base)), run_dir, params=params, resume=resume,
-                          tags={"rlops.trainer": "trl-grpo-local", "rlops.task": "maze_2d-single-turn"}) as session:
+    base_id, base_sha256 = base_identity(config, base)
+    train_mazes = grpo_mazes(config)
+    datasets = run_datasets(config, train_mazes)
+    params = {**local.model_dump(), "base_model": base_id, "fast": fast, "steps": steps, "budget_s": budget_s,
+              "eval_data_source": datasets[1].name, "eval_layout_sha256": datasets[1].layout_sha256,
+              "train_layout_sha256": datasets[0].layout_sha256}
+    result = TrainResult(run_id="", base_model=base_id, steps=0, seconds=0.0, seconds_per_step=0.0,
+                         eval_data_source=datasets[1].name)
+    tags = {TAG_TRAINER: "trl-grpo-local", "rlops.task": "maze_2d-single-turn"}
+    if base_sha256:
+        tags[TAG_BASE_MODEL_SHA256] = base_sha256
+    with RunSession.start(_run_config(config, base_id), run_dir, params=params, resume=resume, tags=tags,
+                          run_name=run_name or lineage.run_name(base_id, local.lora_rank),
+                          datasets=datasets) as session:
         result.run_id = session.run_id
         if session.archived is not None:
             archive_checkpoints(run_dir, session.archived)
@@ -533,15 +630,22 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
         scored_steps = {step for step, _ in session.eval_history(eval_key(eval_set.data_source))}
 
         def score(model) -> EvalResult:
-            return evaluate(model, processor, eval_set, local.max_completion_tokens, local.eval_samples, local.temperature)
+            started = time.monotonic()
+            scored = evaluate(model, processor, eval_set, local.max_completion_tokens, local.eval_samples,
+                              local.temperature)
+            scored.seconds = time.monotonic() - started
+            return scored
 
         def record(step: int, scored: EvalResult) -> None:
             extra = {} if scored.sampled_rate is None else {SAMPLED_METRIC: scored.sampled_rate}
             session.log_eval(scored.data_source, scored.solve_rate, scored.rows, step=step, metrics=extra)
+            session.log_samples(scored.samples, step=step)
+            session.log_metrics({"perf/eval_s": scored.seconds}, step=step)
 
-        callbacks = [TrackerCallback(session), BudgetCallback(budget_s),
+        groups = GroupSampleCallback(session, local.num_generations)
+        callbacks = [TrackerCallback(session), BudgetCallback(budget_s), groups,
                      FixedEvalCallback(score, record, already_scored=scored_steps.__contains__)]
-        trainer = grpo_trainer(config, base, run_dir, steps, callbacks, processor)
+        trainer = grpo_trainer(config, base, run_dir, steps, callbacks, processor, train_mazes, groups.observe)
         started = time.monotonic()
         trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
         result.seconds = round(time.monotonic() - started, 1)

@@ -290,8 +290,8 @@ def walk_answer(maze: Maze, answer: str) -> WalkResult:
     dist = distances_to_goal(maze)
     here, steps, past_goal = maze.start, 0, 0
     stopped = bumped = malformed = False
-    for word in answer.lower().replace(",", " ").split():
-        action = _WORD_ACTIONS.get(word.strip(".!'\"`"))
+    for word in _answer_words(answer):
+        action = _WORD_ACTIONS.get(word)
         if action is None:
             malformed = True
             break
@@ -324,6 +324,22 @@ def random_walk(maze: Maze, rng: random.Random) -> list[int]:
         previous, here = here, move(maze, here, direction)
         directions.append(direction)
     return directions
+
+
+def _answer_words(answer: str) -> list[str]:
+    return [word.strip(".!'\"`") for word in answer.lower().replace(",", " ").split()]
+
+
+def answer_moves(answer: str) -> list[str]:
+    """The action words of an answer as `walk_answer` reads them, up to `stop` or the first non-action."""
+    moves = []
+    for word in _answer_words(answer):
+        if word not in _WORD_ACTIONS:
+            break
+        moves.append(word)
+        if word == "stop":
+            break
+    return moves
 
 
 def answer_text(directions: list[int]) -> str:

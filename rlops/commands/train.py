@@ -41,11 +41,12 @@ def base_build(obj: CliContext) -> None:
               help="Continue the run in --run-dir even if it FINISHED (e.g. with more --steps).")
 @click.option("--new-run", "resume", flag_value=False,
               help="Start a new MLflow run in --run-dir even if its run did not finish (its checkpoints move aside).")
+@click.option("--run-name", default=None, help="MLflow name of a new run (default: grpo-<base>-r<rank>-<date>).")
 @click.option("--fast", is_flag=True, help="Skip SFT: random-init tiny base (smoke tests).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @pass_ctx
 def train(obj: CliContext, local: bool, steps: int | None, budget_s: float | None, run_dir: str | None,
-          resume: bool | None, fast: bool, as_json: bool) -> None:
+          resume: bool | None, run_name: str | None, fast: bool, as_json: bool) -> None:
     """Train a LoRA adapter with GRPO on the maze task and register the best checkpoint (alias `candidate`)."""
     if not local:
         raise click.ClickException(
@@ -61,7 +62,7 @@ def train(obj: CliContext, local: bool, steps: int | None, budget_s: float | Non
     folder = Path(run_dir) if run_dir else obj.config.data_path / "runs" / time.strftime("%Y%m%d-%H%M%S")
     try:
         result = run_training(obj.config, folder, budget_s=budget_s, steps=steps, fast=fast, resume=resume,
-                              log=click.echo)
+                              run_name=run_name, log=click.echo)
     except (TrainingError, RunDirBusy) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
