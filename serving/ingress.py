@@ -124,9 +124,25 @@ def check_media(body: Any) -> None:
                                   "endpoint does not fetch remote URLs.", code="invalid_image_url", param="messages")
 
 
-def resolve(table, raw_name: str) -> Resolution:
+SESSION_HEADER = "x-rlops-session"
+
+
+def client_key(user: object, session: str | None, authorization: str | None) -> str | None:
+    """Who the client is, for a sticky canary pick: the OpenAI `user` field, else the `x-rlops-session`
+    header, else the API key (as a digest: the key itself goes nowhere); None: no identity, pick per request."""
+    if isinstance(user, str) and user:
+        return "user:" + user
+    if session:
+        return "session:" + session
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()
+    return None
+
+
+def resolve(table, raw_name: str, key: str | None = None) -> Resolution:
     try:
-        return table.resolve(raw_name)
+        return table.resolve(raw_name, key)
     except ModelNameError as exc:
         raise ClientError(exc.status, str(exc), code=exc.code, param="model") from None
 
@@ -168,7 +184,7 @@ class IngressMetrics:
     """Prometheus metrics through Ray Serve's metrics API, tagged by resolved model/alias/version only
     (never the raw client string: unknown names would blow up the label cardinality)."""
 
-    TAGS = ("registered_model", "alias", "version", "endpoint")
+    TAGS = ("registered_model", "alias", "version", "canary", "endpoint")
 
     def __init__(self):
         from ray.serve import metrics
@@ -186,6 +202,7 @@ class IngressMetrics:
             "registered_model": (ref.model or "(base)") if ref else "(unresolved)",
             "alias": (resolution.alias or "") if resolution else "",
             "version": str(resolution.version or "") if resolution else "",
+            "canary": "true" if resolution and resolution.canary else "false",
             "endpoint": endpoint,
         }
         self.requests.inc(tags=tags)
@@ -281,7 +298,9 @@ class AliasIngress(OpenAiIngress):
             check_api_key(request.headers.get("authorization"), self._api_keys)
             body = parse_request(await self._read_body(request), request_cls)
             check_media(body)
-            resolution = resolve(self._routes.table, body.model)
+            key = client_key(getattr(body, "user", None), request.headers.get(SESSION_HEADER),
+                             request.headers.get("authorization"))
+            resolution = resolve(self._routes.table, body.model, key)
             response = await self._forward(body, resolution, endpoint, request)
         except ClientError as err:
             self._finish(resolution, endpoint, err.status, started, stream=False)
@@ -356,6 +375,7 @@ class AliasIngress(OpenAiIngress):
             "event": "request", "endpoint": endpoint, "status": status, "stream": stream,
             "model": ref.raw if ref else None, "alias": resolution.alias if resolution else None,
             "version": resolution.version if resolution else None, "latency_ms": round(latency_ms, 2),
+            "canary": bool(resolution and resolution.canary),
         }))
 
 

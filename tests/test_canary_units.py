@@ -1,0 +1,120 @@
+"""Canary logic without servers: manifest schema 2 (and reading 1), planning, drift, the sticky pick."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from registry_hooks.operations import endpoint_serves
+from registry_hooks.plan import Intent, drift, needs_sync, next_manifest, rollback_target
+from rlops.layout import AliasRoute, RoutesManifest, canary_bucket, parse_model_name, resolve_model_name
+from serving.ingress import client_key
+
+
+def route(version: int) -> AliasRoute:
+    return AliasRoute(version=version, folder=f"m-v{version}", files={"a.json": "0" * 64}, promoted_at="t0", trigger="x")
+
+
+ROUTES = {v: route(v) for v in (1, 2, 3)}
+
+
+def plan(old: RoutesManifest, intent: Intent, now: str, **kw) -> RoutesManifest:
+    return next_manifest(old, intent, ROUTES, {}, trigger=kw.pop("trigger", "cli"), now=now, history_limit=50, **kw)
+
+
+def test_a_version_1_manifest_is_still_read_and_written_back_as_2():
+    v1 = {"schema_version": 1, "model": "m", "generation": 3, "updated_at": "t",
+          "aliases": {"production": route(1).model_dump()},
+          "history": [{"alias": "production", "version": 1, "at": "t", "trigger": "cli"}], "refused": {}}
+    old = RoutesManifest.model_validate_json(json.dumps(v1))
+    assert old.schema_version == 1 and old.canaries == {} and old.history[0].event == "move"
+    assert plan(old, Intent({"production": 1}), "t1") is old  # nothing to change: not rewritten
+    new = plan(old, Intent({"production": 1, "production-canary": 2}, {"production": 10}), "t1")
+    assert new.schema_version == 2 and new.canaries["production"].weight == 10
+    with pytest.raises(ValueError, match="schema_version"):
+        RoutesManifest.model_validate({**v1, "schema_version": 3})
+
+
+def test_canary_start_reweight_promote_abort_and_history():
+    m = plan(RoutesManifest(model="m"), Intent({"production": 1}), "t1")
+    m = plan(m, Intent({"production": 1, "production-canary": 2}, {"production": 10}), "t2", actor="ana", reason="try")
+    assert m.aliases["production"].version == 1 and (m.canaries["production"].version, m.canaries["production"].weight) == (2, 10)
+    assert 2 in m.published_versions()  # @v2 addresses the canary alone
+    assert plan(m, Intent({"production": 1, "production-canary": 2}, {"production": 10}), "t3") is m
+    m = plan(m, Intent({"production": 1, "production-canary": 2}, {"production": 25}), "t3")
+    assert m.canaries["production"].weight == 25 and m.canaries["production"].promoted_at == "t2"
+    # --promote: the alias moves to the canary while the canary alias still names it (not yet cleared)
+    promoted = plan(m, Intent({"production": 2, "production-canary": 2}, {"production": 25}), "t4")
+    assert promoted.aliases["production"].version == 2 and promoted.canaries == {}
+    assert rollback_target(promoted, "production") == 1  # canary entries are not targets to roll back to
+    aborted = plan(m, Intent({"production": 1}), "t4", trigger="watcher", reason="error rate")
+    assert aborted.canaries == {} and aborted.aliases["production"].version == 1
+    events = [(h.event, h.version, h.from_version, h.weight, h.actor, h.reason) for h in aborted.history]
+    assert events == [("move", 1, None, None, None, None), ("canary", 2, 1, 10, "ana", "try"),
+                      ("canary", 2, 1, 25, None, None), ("canary_aborted", 2, 2, 0, None, "error rate")]
+    assert [h.event for h in promoted.history][-1] == "canary_promoted"
+
+
+def test_a_canary_nothing_can_serve_is_not_published_and_is_not_drift():
+    m = plan(RoutesManifest(model="m"), Intent({"production": 1}), "t1")
+    for intent in (Intent({"production": 1, "production-canary": 2}),  # no weight tag
+                   Intent({"production": 1, "production-canary": 1}, {"production": 10}),  # same version
+                   Intent({"production": 1, "staging-canary": 2}, {"staging": 10})):  # alias not set
+        assert plan(m, intent, "t2") is m and drift(intent, m) == [] and not needs_sync(intent, m)
+
+
+def test_needs_sync_and_drift_see_canary_moves_and_weights():
+    m = plan(RoutesManifest(model="m"), Intent({"production": 1, "production-canary": 2}, {"production": 10}), "t1")
+    same = Intent({"production": 1, "production-canary": 2}, {"production": 10})
+    assert not needs_sync(same, m) and plan(m, same, "t2") is m
+    reweighted = Intent({"production": 1, "production-canary": 2}, {"production": 30})
+    assert needs_sync(reweighted, m)
+    assert [d.describe() for d in drift(reweighted, m)] == ["production-canary: registry v2 at 30%, served v2 at 10%"]
+    assert needs_sync(Intent({"production": 1, "production-canary": 3}, {"production": 10}), m)
+    assert needs_sync(Intent({"production": 1}), m)  # aborted in the registry
+    refused = next_manifest(m, Intent({"production": 1, "production-canary": 3}, {"production": 10}), {},
+                            {3: "bad rank"}, trigger="x", now="t3", history_limit=10)
+    assert refused.canaries["production"].version == 2 and refused.refused["production-canary"].version == 3
+
+
+def manifests(weight: float) -> dict[str, RoutesManifest]:
+    return {"m": plan(RoutesManifest(model="m"), Intent({"production": 1, "production-canary": 2},
+                                                        {"production": weight}), "t1")}
+
+
+def pick(selector: str, key: str | None, weight: float = 10):
+    return resolve_model_name(parse_model_name(f"base:m{selector}"), "base", manifests(weight), ["production"], key)
+
+
+def test_the_pick_is_sticky_per_client_and_splits_by_weight():
+    keys = [f"user:{i}" for i in range(20_000)]
+    picks = {key: pick("", key) for key in keys}
+    share = sum(r.version == 2 for r in picks.values()) / len(keys) * 100
+    assert abs(share - 10) < 1, share
+    assert all(r.canary == (r.version == 2) and r.alias == "production" for r in picks.values())
+    assert all(pick("", key).version == picks[key].version for key in keys[:500])  # same client, same version
+    grown = [key for key in keys if pick("", key, weight=30).version == 2]
+    assert {k for k in keys if picks[k].version == 2} <= set(grown)  # raising the weight only adds clients
+    assert {pick("@v1", key).version for key in keys[:200]} == {1} and {pick("@v2", key).version for key in keys[:200]} == {2}
+    assert not pick("@v2", "x").canary
+    per_request = sum(pick("", None).version == 2 for _ in range(4000)) / 40
+    assert abs(per_request - 10) < 2.5  # no identity: picked per request, still by weight
+    assert 0 <= canary_bucket("m", "production", 2, "k") < 100
+
+
+def test_client_key_prefers_user_then_session_then_api_key():
+    assert client_key("alice", "s1", "Bearer sk-1") == "user:alice"
+    assert client_key(None, "s1", "Bearer sk-1") == "session:s1"
+    keyed = client_key(None, None, "Bearer sk-1")
+    assert keyed.startswith("key:") and "sk-1" not in keyed
+    assert client_key("", None, None) is None and client_key(123, None, "Basic x") is None
+
+
+def test_endpoint_serves_reads_models_metadata():
+    body = {"data": [{"id": "b:m@production", "metadata": {"version": 1, "canary": {"version": 2, "weight": 10}}},
+                     {"id": "b:m@staging", "metadata": {"version": 3}}]}
+    assert endpoint_serves(body, "b:m@production", 1, canary=False)
+    assert endpoint_serves(body, "b:m@production", 2, canary=True)
+    assert not endpoint_serves(body, "b:m@staging", 2, canary=False)
+    assert not endpoint_serves(body, "b:m@staging", 3, canary=True)
+    assert not endpoint_serves(body, "b:m@other", 3, canary=False)
