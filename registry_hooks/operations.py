@@ -63,9 +63,9 @@ def promote(
     if guarded and not force:
         manifest, _ = storage.read_manifest(promoter.dest, promoter.location, model)
         served = manifest.aliases.get(to_alias)
-        reason = promoter.guard_refusal(model, version, served.version if served else None)
-        if reason:
-            raise Refused(f"{reason}; use --force to promote anyway (it tags the version {registry.FORCE_TAG})")
+        losing = promoter.guard_refusal(model, version, served.version if served else None)
+        if losing:
+            raise Refused(f"{losing}; use --force to promote anyway (it tags the version {registry.FORCE_TAG})")
     return _move_alias(promoter, model, to_alias, version, trigger=trigger, actor=actor, reason=reason,
                        dry_run=dry_run, override=f"promote --force --to {to_alias}" if guarded and force else None)
 

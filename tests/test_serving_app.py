@@ -7,6 +7,7 @@ with offline `PeftModel` generation on the same base; alias moves go through the
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -496,3 +497,78 @@ def test_load_while_alias_flips_has_no_5xx_and_only_published_versions(served: S
     assert stale == [], f"{len(stale)} responses came from a version not published within the staleness bound"
     assert {r[3] for r in results} == {"1", "2"}
     served.move_alias("production", 1)
+
+
+def test_canary_splits_by_weight_sticky_per_client_and_flips_without_5xx(served: ServedApp):
+    """production = v1 with a 20% canary of v2: 2000 distinct `user`s split within 3 points of 20%, each
+    exactly as the pure hash says; repeated users, sessions and one API key never see two versions; `@v1`
+    stays v1; reweights and aborts under load give no 5xx."""
+    from registry_hooks import operations
+    from rlops.layout import canary_bucket
+
+    weight, users = 20.0, 2000
+
+    def canary(**kwargs) -> None:
+        with served.lock:
+            report = operations.canary(served.config, served.model, alias="production", trigger="test", **kwargs)
+            assert not report.warnings, report.warnings
+        live = (report.canaries.get("production") or {}).get("version")
+        operations.wait_served(served.url, served.name("@production"), live or 1, canary=live is not None,
+                               timeout_s=30, api_key=API_KEY)
+
+    def ask(http: httpx.Client, model: str, user: str | None = None, headers: dict | None = None):
+        body = {"model": model, "messages": [{"role": "user", "content": "move"}], "max_tokens": 1}
+        if user is not None:
+            body["user"] = user
+        r = http.post(f"{served.url}/v1/chat/completions", json=body, headers=headers)
+        return r.status_code, r.headers.get("x-rlops-model-version")
+
+    served.move_alias("production", 1)
+    canary(version=2, weight=weight)
+    try:
+        http = httpx.Client(headers=served.headers(), timeout=60, limits=httpx.Limits(max_connections=8))
+        calls = [(served.name(), f"user-{i}") for i in range(users)]
+        calls += [(served.name(), f"user-{i}") for i in range(200)] + [(served.name("@v1"), f"user-{i}") for i in range(200)]
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda c: ask(http, *c), calls))
+        assert {status for status, _ in answers} == {200}
+        by_user: dict[str, set[str]] = {}
+        for (model, user), (_, version) in zip(calls, answers):
+            if model == served.name():
+                by_user.setdefault(user, set()).add(version)
+        assert all(len(seen) == 1 for seen in by_user.values())  # one user never sees two versions
+        expected = {u: "2" if canary_bucket(served.model, "production", 2, "user:" + u) < weight else "1" for u in by_user}
+        assert {u: seen.pop() for u, seen in by_user.items()} == expected
+        share = sum(v == "2" for v in expected.values()) / users * 100
+        assert abs(share - weight) <= 3, share
+        assert {v for (model, _), (_, v) in zip(calls, answers) if model == served.name("@v1")} == {"1"}
+        sessions = [ask(http, served.name(), headers={"x-rlops-session": f"s-{i % 20}"}) for i in range(60)]
+        assert all(len({v for j, (_, v) in enumerate(sessions) if j % 20 == i}) == 1 for i in range(20))
+        assert len({ask(http, served.name())[1] for _ in range(10)}) == 1  # the API key is the identity
+
+        # Flips under load: reweight, abort, start again, while 6 clients keep asking.
+        results: list[tuple[int, str | None]] = []
+        done = threading.Event()
+
+        def client_loop(n: int) -> None:
+            i = 0
+            while not done.is_set():
+                results.append(ask(http, served.name(), f"load-{n}-{i}"))
+                i += 1
+
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(client_loop, n) for n in range(6)]
+            try:
+                for step in ({"version": 2, "weight": 60.0}, {"abort": True}, {"version": 2, "weight": 5.0},
+                             {"version": 2, "weight": 50.0}):
+                    canary(**step)
+            finally:
+                done.set()
+                for future in futures:
+                    future.result()
+        assert len(results) >= 30 and {status for status, _ in results} == {200}, {s for s, _ in results}
+        assert {v for _, v in results} == {"1", "2"}
+    finally:
+        with contextlib.suppress(operations.NotFound):  # no canary left to drop
+            canary(abort=True)
+        served.move_alias("production", 1)
