@@ -118,3 +118,16 @@ def test_endpoint_serves_reads_models_metadata():
     assert not endpoint_serves(body, "b:m@staging", 2, canary=False)
     assert not endpoint_serves(body, "b:m@staging", 3, canary=True)
     assert not endpoint_serves(body, "b:m@other", 3, canary=False)
+
+
+def test_usage_and_mid_stream_errors_are_read_from_answers():
+    from serving.ingress import is_error_event, usage_in
+
+    body = b'{"id":"x","choices":[{"text":"say \\"usage\\": 1"}],"usage":{"prompt_tokens":7,"completion_tokens":2}}'
+    assert usage_in(body) == (7, 2)
+    assert usage_in('data: {"choices":[],"usage":null}\n\n') is None
+    assert usage_in('data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}\n\n') == (3, 1)
+    assert usage_in(b'{"choices":[]}') is None and usage_in(b'"usage": {broken') is None
+    assert is_error_event('data: {"error":{"message":"engine died","code":500}}\n\n')
+    assert is_error_event(b'data: {"choices":[]}\n\ndata: {"error":{"message":"x"}}\n\n')
+    assert not is_error_event('data: {"choices":[{"delta":{"content":"data: {\\"error\\""}}]}\n\n')

@@ -568,6 +568,18 @@ def test_canary_splits_by_weight_sticky_per_client_and_flips_without_5xx(served:
                     future.result()
         assert len(results) >= 30 and {status for status, _ in results} == {200}, {s for s, _ in results}
         assert {v for _, v in results} == {"1", "2"}
+
+        # Per-version metrics carry the canary label, time to first byte and token counts.
+        wanted = ("ray_rlops_serving_requests", "ray_rlops_serving_ttft_ms_count", "ray_rlops_serving_tokens")
+        deadline, lines = time.monotonic() + 40, []
+        while time.monotonic() < deadline:
+            text = httpx.get(f"http://127.0.0.1:{served.config.serving.metrics_port}/metrics", timeout=5).text
+            lines = [line for line in text.splitlines() if 'canary="true"' in line and 'version="2"' in line]
+            if all(any(line.startswith(name) for line in lines) for name in wanted):
+                break
+            time.sleep(2)
+        assert all(any(line.startswith(name) for line in lines) for name in wanted), lines
+        assert any(line.startswith("ray_rlops_serving_tokens") and 'kind="prompt"' in line for line in lines)
     finally:
         with contextlib.suppress(operations.NotFound):  # no canary left to drop
             canary(abort=True)
