@@ -131,3 +131,19 @@ def test_usage_and_mid_stream_errors_are_read_from_answers():
     assert is_error_event('data: {"error":{"message":"engine died","code":500}}\n\n')
     assert is_error_event(b'data: {"choices":[]}\n\ndata: {"error":{"message":"x"}}\n\n')
     assert not is_error_event('data: {"choices":[{"delta":{"content":"data: {\\"error\\""}}]}\n\n')
+
+
+def test_the_grafana_dashboard_queries_only_series_the_ingress_exports():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    dashboard = json.loads((root / "docker" / "grafana" / "rlops-canary.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {re.sub(r"_(total|bucket)$", "", m) for e in exprs for m in re.findall(r"ray_(rlops_serving_\w+)", e)}
+    source = (root / "serving" / "ingress.py").read_text()
+    exported = set(re.findall(r'metrics\.(?:Counter|Histogram)\("(rlops_serving_\w+)"', source))
+    assert used and used <= exported, used - exported
+    assert {"rlops_serving_ttft_ms", "rlops_serving_tokens"} <= used
+    labels = {label for e in exprs for label in re.findall(r"by \(([^)]*)\)", e)}
+    assert all("version" in group and "canary" in group for group in labels)
