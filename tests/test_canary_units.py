@@ -147,3 +147,40 @@ def test_the_grafana_dashboard_queries_only_series_the_ingress_exports():
     assert {"rlops_serving_ttft_ms", "rlops_serving_tokens"} <= used
     labels = {label for e in exprs for label in re.findall(r"by \(([^)]*)\)", e)}
     assert all("version" in group and "canary" in group for group in labels)
+
+
+def prometheus_text(rows: dict[tuple[int, bool], tuple[int, int, list[int]]]) -> str:
+    """Ray-exported text for (version, canary) -> (requests, errors, latency bucket counts at 10/100/+Inf ms)."""
+    lines = ["# TYPE ray_rlops_serving_requests counter", "# TYPE ray_rlops_serving_errors counter",
+             "# TYPE ray_rlops_serving_latency_ms histogram"]
+    for (version, canary), (requests, errors, buckets) in rows.items():
+        tags = f'registered_model="m",alias="production",version="{version}",canary="{str(canary).lower()}",endpoint="chat"'
+        lines.append(f"ray_rlops_serving_requests_total{{{tags}}} {requests}")
+        lines.append(f'ray_rlops_serving_errors_total{{{tags},status="500"}} {errors}')
+        lines.append(f'ray_rlops_serving_errors_total{{{tags},status="499"}} 7')  # clients gone: not counted
+        for le, n in zip(("10.0", "100.0", "+Inf"), buckets):
+            lines.append(f'ray_rlops_serving_latency_ms_bucket{{{tags},le="{le}"}} {n}')
+    lines.append('ray_rlops_serving_requests_total{registered_model="(base)",alias="",version="",canary="false",endpoint="chat"} 5')
+    return "\n".join(lines) + "\n"
+
+
+def test_watcher_windows_and_breaches():
+    from rlops.config import CanarySLO
+    from registry_hooks.watcher import breach, canaries_in, parse_metrics, window
+
+    slo = CanarySLO(window_s=30, min_requests=10, max_error_rate_increase=0.05, max_p95_ratio=2, min_p95_ms=50)
+    then = parse_metrics(prometheus_text({(1, False): (100, 1, [90, 100, 100]), (2, True): (5, 0, [5, 5, 5])}))
+    now = parse_metrics(prometheus_text({(1, False): (300, 3, [280, 300, 300]), (2, True): (25, 6, [5, 25, 25])}))
+    assert canaries_in(now) == {("m", "production", 2)} and len(now) == 2  # the base model's series is not a version
+    stats = window(now, then)
+    canary, baseline = stats[("m", "production", 2, True)], stats[("m", "production", 1, False)]
+    assert (canary.requests, canary.errors, baseline.requests, baseline.errors) == (20, 6, 200, 2)
+    assert canary.p95_ms() == 100 and baseline.p95_ms() == 10
+    reason = breach(canary, baseline, slo)
+    assert reason.startswith("error rate 30.0% over 20 requests vs the baseline's 1.0% over 200")
+    assert breach(canary, baseline, slo.model_copy(update={"min_requests": 21})) is None  # too few yet
+    slow = parse_metrics(prometheus_text({(2, True): (40, 0, [0, 30, 40])}))[("m", "production", 2, True)]
+    assert breach(slow, baseline, slo.model_copy(update={"min_p95_ms": 50})).startswith("p95 latency <= 100 ms")
+    assert breach(slow, baseline, slo.model_copy(update={"min_p95_ms": 200})) is None
+    restarted = window(then, now)[("m", "production", 1, False)]  # counters went down: the exporter restarted
+    assert restarted.requests == 100

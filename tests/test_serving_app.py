@@ -584,3 +584,79 @@ def test_canary_splits_by_weight_sticky_per_client_and_flips_without_5xx(served:
         with contextlib.suppress(operations.NotFound):  # no canary left to drop
             canary(abort=True)
         served.move_alias("production", 1)
+
+
+def test_watcher_aborts_a_failing_canary_within_the_window(served: ServedApp, stack):
+    """v3's folder loses its weights after it is published as a 50% canary (a fault of that version only): the
+    SLO watcher sees its errors against the baseline's, aborts it through the registry, tags the version, and
+    records it in the history; no client of the baseline gets an error, and canary clients get v1 again."""
+    from registry_hooks import operations, storage
+    from registry_hooks.sync import Promoter
+    from registry_hooks.watcher import ROLLBACK_TAG, CanaryWatcher
+    from rlops.config import CanarySLO
+    from rlops.layout import canary_bucket, parse_s3_uri, version_folder
+
+    served.move_alias("production", 1)
+    v3 = register_adapter(served.config, served.adapters[2], step=3)
+    config = served.config.model_copy(deep=True)
+    config.registry.canary.slo = CanarySLO(window_s=20, min_requests=10, max_error_rate_increase=0.2,
+                                           metrics_url=f"http://127.0.0.1:{served.config.serving.metrics_port}/metrics")
+    with served.lock:
+        operations.canary(config, served.model, version=v3, weight=50, trigger="test", actor="tester", reason="try v3")
+    location = parse_s3_uri(config.lora_path)
+    stack.s3().delete_object(Bucket=location.bucket, Key=location.key(version_folder(served.model, v3), "adapter_model.safetensors"))
+    operations.wait_served(served.url, served.name("@production"), v3, canary=True, timeout_s=30, api_key=API_KEY)
+
+    users = [f"rb-{i}" for i in range(40)]
+    on_canary = {u for u in users if canary_bucket(served.model, "production", v3, "user:" + u) < 50}
+    assert on_canary and set(users) - on_canary
+    results: list[tuple[float, str, int, str | None]] = []
+    done = threading.Event()
+
+    def client_loop(n: int) -> None:
+        with httpx.Client(headers=served.headers(), timeout=60) as http:
+            i = n
+            while not done.is_set():
+                user = users[i % len(users)]
+                r = http.post(f"{served.url}/v1/chat/completions", json={
+                    "model": served.name(), "user": user, "messages": [{"role": "user", "content": "move"}],
+                    "max_tokens": 1})
+                results.append((time.monotonic(), user, r.status_code, r.headers.get("x-rlops-model-version")))
+                i += 4
+
+    watcher = CanaryWatcher(config)
+    started = time.monotonic()
+    aborted: list[dict] = []
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(client_loop, n) for n in range(4)]
+        try:
+            while not aborted and time.monotonic() - started < 120:
+                aborted = watcher.tick()
+                time.sleep(2)
+            aborted_at = time.monotonic()
+            time.sleep(STALENESS_S + 3)  # served again by the baseline only
+        finally:
+            done.set()
+            for future in futures:
+                future.result()
+    assert aborted and aborted[0]["version"] == v3 and aborted[0]["baseline"] == 1, aborted
+    assert "error rate" in aborted[0]["reason"]
+    failures = [t for t, user, status, _ in results if status != 200]
+    assert failures and all(user in on_canary for _, user, status, _ in results if status != 200)
+    assert {status for _, user, status, _ in results if user not in on_canary} == {200}  # the baseline's clients
+    last_bad = max(failures)
+    assert last_bad - min(failures) < 2 * config.registry.canary.slo.window_s + 10, (min(failures), last_bad, aborted_at)
+    assert {v for t, _, status, v in results if t > aborted_at + STALENESS_S + 1} == {"1"}
+    manifest = storage.read_manifest(Promoter(config).dest, location, served.model)[0]
+    assert manifest.canaries == {}
+    entry = manifest.history[-1]
+    assert (entry.event, entry.version, entry.trigger, entry.actor) == ("canary_aborted", v3, "watcher", "rlops-hooks/watcher")
+    assert "error rate" in entry.reason
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=config.tracking_uri, registry_uri=config.tracking_uri)
+    assert "error rate" in client.get_model_version(served.model, str(v3)).tags[ROLLBACK_TAG]
+    shown = operations.history(config, served.model, alias="production")
+    assert [e["event"] for e in shown][-2:] == ["canary", "canary_aborted"] and shown[-2]["reason"] == "try v3"
+    print(f"\nwatcher: first failure -> last failure {last_bad - min(failures):.1f} s, "
+          f"{len(failures)} failed canary requests, window {config.registry.canary.slo.window_s:g} s")
