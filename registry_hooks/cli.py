@@ -224,9 +224,12 @@ def history_command(ctx, model, alias, as_json) -> None:
         return
     for e in entries:
         moved = f"v{e['from_version']} -> v{e['version']}" if e["from_version"] else f"-> v{e['version']}"
-        what = {"move": moved, "canary_promoted": f"{moved} (canary promoted)",
-                "canary": f"canary v{e['version']} at {e['weight']:g}% (beside v{e['from_version']})",
-                "canary_aborted": f"canary v{e['version']} dropped"}[e["event"]]
+        if e["event"] == "canary":
+            what = f"canary v{e['version']} at {e['weight']:g}% (beside v{e['from_version']})"
+        elif e["event"] == "canary_aborted":
+            what = f"canary v{e['version']} dropped"
+        else:
+            what = moved + (" (canary promoted)" if e["event"] == "canary_promoted" else "")
         extra = "; ".join(filter(None, [e["eval"], e["reason"] and f"reason: {e['reason']}"]))
         click.echo(f"{e['at']}  {e['alias']:<12} {what:<44} {e['trigger']:<10} {e['actor'] or '-':<16} {extra}")
 

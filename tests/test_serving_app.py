@@ -527,6 +527,9 @@ def test_canary_splits_by_weight_sticky_per_client_and_flips_without_5xx(served:
     canary(version=2, weight=weight)
     try:
         http = httpx.Client(headers=served.headers(), timeout=60, limits=httpx.Limits(max_connections=8))
+        # One request per version first: Ray's LLMServer loads an adapter racily (two concurrent first uses
+        # of one adapter: the second fails "already loaded", a 500), which is not what this test measures.
+        assert [ask(http, served.name(f"@v{v}"))[0] for v in (1, 2)] == [200, 200]
         calls = [(served.name(), f"user-{i}") for i in range(users)]
         calls += [(served.name(), f"user-{i}") for i in range(200)] + [(served.name("@v1"), f"user-{i}") for i in range(200)]
         with ThreadPoolExecutor(8) as pool:
