@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from rlops.config import CanarySLO, Config
+from rlops.layout import canary_alias
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class CanaryWatcher:
         if reason is None:
             return None
         intent = registry.read_intent(promoter.mlflow, model, self.config.registry.served_aliases) or {}
-        if intent.get(f"{alias}-canary") != version:
+        if intent.get(canary_alias(alias)) != version:
             return None  # someone changed the canary in the registry meanwhile: theirs to decide
         text = f"canary v{version} of {model}@{alias} aborted by the SLO watcher: {reason}"
         log.warning("%s", text)
