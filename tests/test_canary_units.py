@@ -1,6 +1,7 @@
 """Canary logic without servers: manifest schema 2 (and reading 1), planning, drift, the sticky pick."""
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -77,6 +78,7 @@ def test_needs_sync_and_drift_see_canary_moves_and_weights():
     assert refused.canaries["production"].version == 2 and refused.refused["production-canary"].version == 3
 
 
+@functools.lru_cache(maxsize=None)
 def manifests(weight: float) -> dict[str, RoutesManifest]:
     return {"m": plan(RoutesManifest(model="m"), Intent({"production": 1, "production-canary": 2},
                                                         {"production": weight}), "t1")}
