@@ -74,21 +74,23 @@ def build_apps(config):
     return build_openai_app(alias_args), build_openai_app(stock_args)
 
 
-async def load(url: str, model: str, requests: int, concurrency: int) -> tuple[float, list[float], int]:
-    """(requests/s, latencies in ms, non-200 count) for `requests` chat calls from `concurrency` clients."""
+async def load(url: str, model: str, requests: int, concurrency: int, *,
+               users: bool = False) -> tuple[float, list[float], int]:
+    """(requests/s, latencies in ms, non-200 count) for `requests` chat calls from `concurrency` clients;
+    `users`: each request names another OpenAI `user` (what a canary's sticky pick hashes)."""
     latencies: list[float] = []
     failures = 0
     queue: asyncio.Queue = asyncio.Queue()
-    for _ in range(requests):
-        queue.put_nowait(None)
+    for n in range(requests):
+        queue.put_nowait(n)
     body = {"model": model, "messages": PROMPT, "max_tokens": 4}
 
     async def client(http: httpx.AsyncClient) -> None:
         nonlocal failures
         while not queue.empty():
-            queue.get_nowait()
+            n = queue.get_nowait()
             started = time.perf_counter()
-            r = await http.post(f"{url}/v1/chat/completions", json=body)
+            r = await http.post(f"{url}/v1/chat/completions", json={**body, "user": f"user-{n}"} if users else body)
             latencies.append((time.perf_counter() - started) * 1000)
             failures += r.status_code != 200
 

@@ -5,6 +5,11 @@
   promote sync [MODEL]                           promote gc [--dry-run]
   promote retire MODEL [--dry-run]               (the only way a model's routes are unpublished)
   promote verify MODEL [--alias A | --version N] [--endpoint URL]
+  promote canary MODEL --version N --weight W [--alias production]   (W percent of clients get vN)
+  promote canary MODEL (--promote | --abort) [--alias production]
+  promote history MODEL [--alias A] [--json]
+Every move takes --reason TEXT (recorded in the history) and --wait [--timeout S] (return once the endpoint's
+/v1/models lists the new version).
 
 Exit codes: 0 done; 1 error (MLflow/S3 unreachable, ...); 2 usage; 3 unknown model/version/alias;
 4 refused (invalid adapter, or the eval guardrail without --force); 5 sync did not converge;
@@ -88,7 +93,9 @@ def _print_report(report: SyncReport, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
         return
-    served = ", ".join(f"{a} -> v{v}" for a, v in sorted(report.served.items())) or "(no aliases)"
+    served = ", ".join(f"{a} -> v{v}" + (f" (canary v{report.canaries[a]['version']} at "
+                                          f"{report.canaries[a]['weight']:g}%)" if a in report.canaries else "")
+                       for a, v in sorted(report.served.items())) or "(no aliases)"
     click.echo(f"{report.model}: {served}  [generation {report.generation}, {report.trigger}]")
     for alias, version in sorted(report.promoted.items()):
         click.echo(f"  promoted {alias} -> v{version} ({report.copy_mode}, {report.bytes_copied / 1e6:.1f} MB copied)")
@@ -102,6 +109,30 @@ def _print_report(report: SyncReport, as_json: bool) -> None:
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
 dry_run_option = click.option("--dry-run", is_flag=True, help="Validate and show the plan; change nothing.")
+reason_option = click.option("--reason", help="Why: recorded in the history (`promote history`).")
+
+
+def wait_options(fn):
+    fn = click.option("--timeout", "wait_timeout", type=click.FloatRange(min=0), default=120.0, show_default=True,
+                      help="Seconds --wait waits.")(fn)
+    return click.option("--wait", is_flag=True, help="Return once the endpoint's /v1/models lists the new version "
+                        "(exit 1 after --timeout).")(fn)
+
+
+def endpoint_of(config: Config) -> str:
+    return f"http://{config.serving.host}:{config.serving.port}"
+
+
+def wait_for(config: Config, report: SyncReport, alias: str, *, canary: bool, timeout_s: float) -> None:
+    """--wait: poll /v1/models until the alias (or its canary) is listed at what the sync published."""
+    version = report.canaries.get(alias, {}).get("version") if canary else report.served.get(alias)
+    if version is None:
+        return  # nothing to wait for (a dropped canary): the report says what is served
+    name = f"{config.serving.base_model_id}:{report.model}@{alias}"
+    seconds = operations.wait_served(endpoint_of(config), name, version, canary=canary, timeout_s=timeout_s,
+                                     api_key=serving_api_key(config))
+    report.warnings.append(f"the endpoint lists {name} at v{version}{' as canary' if canary else ''} "
+                           f"after {seconds:g} s")
 
 
 @click.group(cls=PromoteGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -128,43 +159,108 @@ def main(ctx: click.Context, config_path: str | None) -> None:
 @click.option("--version", type=click.IntRange(min=1), help="Registered version to promote.")
 @click.option("--from", "from_alias", help="Promote the version this alias points at (e.g. staging).")
 @click.option("--force", is_flag=True, help="Pass the eval-metric guardrail: tags the version rlops.force (who, when).")
+@reason_option
+@wait_options
 @dry_run_option
 @json_option
 @click.pass_context
-def to_command(ctx, model, to_alias, version, from_alias, force, dry_run, as_json) -> None:
+def to_command(ctx, model, to_alias, version, from_alias, force, reason, wait, wait_timeout, dry_run, as_json) -> None:
     """promote MODEL (--version N | --from ALIAS) --to ALIAS"""
     config = _config(ctx)
     with handled(as_json), progress_bar(not as_json) as progress:
         report = operations.promote(config, model, to_alias=to_alias, version=version, from_alias=from_alias,
-                                    force=force, actor=actor(), dry_run=dry_run, progress=progress)
+                                    force=force, actor=actor(), reason=reason, dry_run=dry_run, progress=progress)
+        if wait and not dry_run:
+            wait_for(config, report, to_alias, canary=False, timeout_s=wait_timeout)
     _print_report(report, as_json)
+
+
+@main.command("canary")
+@click.argument("model")
+@click.option("--alias", help="Served alias whose traffic is split (default: registry.default_alias).")
+@click.option("--version", type=click.IntRange(min=1), help="The canary version.")
+@click.option("--weight", type=float, help="Percent of the alias's clients (0 < W < 100) that get the canary.")
+@click.option("--promote", "promote_it", is_flag=True, help="Make the canary the alias's whole target.")
+@click.option("--abort", is_flag=True, help="Drop the canary; the alias keeps its target.")
+@click.option("--force", is_flag=True, help="--promote past the eval-metric guardrail (tags the version rlops.force).")
+@reason_option
+@wait_options
+@dry_run_option
+@json_option
+@click.pass_context
+def canary_command(ctx, model, alias, version, weight, promote_it, abort, force, reason, wait, wait_timeout, dry_run,
+                   as_json) -> None:
+    """Send W percent of ALIAS's clients (sticky per client) to version N; then --promote or --abort."""
+    config = _config(ctx)
+    if version is not None and weight is None:
+        _fail("--version needs --weight W (percent)", 2, as_json)
+    alias = alias or config.registry.default_alias
+    with handled(as_json), progress_bar(not as_json) as progress:
+        report = operations.canary(config, model, alias=alias, version=version, weight=weight, promote_it=promote_it,
+                                   abort=abort, force=force, actor=actor(), reason=reason, dry_run=dry_run,
+                                   progress=progress)
+        if wait and not dry_run:
+            wait_for(config, report, alias, canary=version is not None, timeout_s=wait_timeout)
+    _print_report(report, as_json)
+
+
+@main.command("history")
+@click.argument("model")
+@click.option("--alias", help="Only this alias's moves.")
+@json_option
+@click.pass_context
+def history_command(ctx, model, alias, as_json) -> None:
+    """Every published move: when, from -> to, canary weight, trigger, actor, reason, eval figure."""
+    config = _config(ctx)
+    with handled(as_json):
+        entries = operations.history(config, model, alias=alias)
+    if as_json:
+        click.echo(json.dumps(entries, indent=2))
+        return
+    for e in entries:
+        moved = f"v{e['from_version']} -> v{e['version']}" if e["from_version"] else f"-> v{e['version']}"
+        if e["event"] == "canary":
+            what = f"canary v{e['version']} at {e['weight']:g}% (beside v{e['from_version']})"
+        elif e["event"] == "canary_aborted":
+            what = f"canary v{e['version']} dropped"
+        else:
+            what = moved + (" (canary promoted)" if e["event"] == "canary_promoted" else "")
+        extra = "; ".join(filter(None, [e["eval"], e["reason"] and f"reason: {e['reason']}"]))
+        click.echo(f"{e['at']}  {e['alias']:<12} {what:<44} {e['trigger']:<10} {e['actor'] or '-':<16} {extra}")
 
 
 @main.command("rollback")
 @click.argument("model")
 @click.option("--alias", help="Alias to roll back (default: registry.default_alias).")
+@reason_option
+@wait_options
 @dry_run_option
 @json_option
 @click.pass_context
-def rollback_command(ctx, model, alias, dry_run, as_json) -> None:
+def rollback_command(ctx, model, alias, reason, wait, wait_timeout, dry_run, as_json) -> None:
     """Move ALIAS back to the version it served before, then sync."""
     config = _config(ctx)
+    alias = alias or config.registry.default_alias
     with handled(as_json), progress_bar(not as_json) as progress:
-        report = operations.rollback(config, model, alias=alias, actor=actor(), dry_run=dry_run, progress=progress)
+        report = operations.rollback(config, model, alias=alias, actor=actor(), reason=reason, dry_run=dry_run,
+                                     progress=progress)
+        if wait and not dry_run:
+            wait_for(config, report, alias, canary=False, timeout_s=wait_timeout)
     _print_report(report, as_json)
 
 
 @main.command("sync")
 @click.argument("model", required=False)
+@reason_option
 @json_option
 @click.pass_context
-def sync_command(ctx, model, as_json) -> None:
+def sync_command(ctx, model, reason, as_json) -> None:
     """Make serving match the registry now, for MODEL or every configured model."""
     config = _config(ctx)
     reports = []
     with handled(as_json):
         for name in [model] if model else config.registry.models:
-            reports.append(sync_model(config, name, trigger="cli", actor=actor()))
+            reports.append(sync_model(config, name, trigger="cli", actor=actor(), reason=reason))
     if as_json:
         click.echo(json.dumps({"reports": [r.to_dict() for r in reports]}, indent=2))
         return
@@ -286,7 +382,7 @@ def verify_command(ctx, model, alias, version, endpoint, as_json) -> None:
         alias = config.registry.default_alias
     with handled(as_json):
         report = verify_served(config, model, alias=alias, version=version, api_key=serving_api_key(config),
-                               endpoint=endpoint or f"http://{config.serving.host}:{config.serving.port}")
+                               endpoint=endpoint or endpoint_of(config))
     if as_json:
         click.echo(json.dumps(report.to_dict()))
     else:

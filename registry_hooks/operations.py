@@ -14,8 +14,8 @@ from registry_hooks.plan import drift, parse_time, referenced_folders, rollback_
 from registry_hooks.reconcile import ManifestCache, ModelState, read_states
 from registry_hooks.sync import NotFound, Promoter, PromotionError, Refused, SyncConflict, SyncReport
 from rlops.config import Config
-from rlops.layout import (TAG_FORCE, TAG_METRIC_KEY, TAG_METRIC_VALUE, Collected, RoutesManifest, is_valid_alias,
-                          is_valid_name, utc_now, version_folder)
+from rlops.layout import (TAG_FORCE, TAG_METRIC_KEY, TAG_METRIC_VALUE, Collected, RoutesManifest, canary_alias,
+                          is_valid_alias, is_valid_name, utc_now, version_folder)
 
 RECONCILER_STATUS = "reconciler"
 log = logging.getLogger(__name__)
@@ -42,8 +42,8 @@ def _lookup(fn, *args):
 
 def promote(
     config: Config, model: str, *, to_alias: str, version: int | None = None, from_alias: str | None = None,
-    force: bool = False, trigger: str = "cli", actor: str | None = None, dry_run: bool = False,
-    progress: Callable[[int], None] | None = None,
+    force: bool = False, trigger: str = "cli", actor: str | None = None, reason: str | None = None,
+    dry_run: bool = False, progress: Callable[[int], None] | None = None,
 ) -> SyncReport:
     """Copy and verify the version's folder, then move `to_alias` to it, then sync (the alias moves only
     after the copy succeeded). Raises NotFound, Refused (invalid adapter, guardrail) or UsageProblem.
@@ -64,16 +64,18 @@ def promote(
     if guarded and not force:
         manifest, _ = storage.read_manifest(promoter.dest, promoter.location, model)
         served = manifest.aliases.get(to_alias)
-        reason = promoter.guard_refusal(model, version, served.version if served else None)
-        if reason:
-            raise Refused(f"{reason}; use --force to promote anyway (it tags the version {TAG_FORCE})")
-    return _move_alias(promoter, model, to_alias, version, trigger=trigger, actor=actor, dry_run=dry_run,
-                       override=f"promote --force --to {to_alias}" if guarded and force else None)
+        losing = promoter.guard_refusal(model, version, served.version if served else None)
+        if losing:
+            raise Refused(f"{losing}; use --force to promote anyway (it tags the version {TAG_FORCE})")
+    return _move_alias(promoter, model, to_alias, version, trigger=trigger, actor=actor, reason=reason,
+                       dry_run=dry_run, override=f"promote --force --to {to_alias}" if guarded and force else None)
 
 
 def _move_alias(promoter: Promoter, model: str, alias: str, version: int, *, trigger: str, actor: str | None,
-                dry_run: bool, override: str | None = None) -> SyncReport:
-    """`override`: why this move passes the guardrail, recorded as the version's rlops.force tag (who, when)."""
+                dry_run: bool, override: str | None = None, reason: str | None = None,
+                set_intent: Callable[[], None] | None = None) -> SyncReport:
+    """`override`: why this move passes the guardrail, recorded as the version's rlops.force tag (who, when).
+    `set_intent`: how the registry is changed once the folder is ready (default: move `alias` to `version`)."""
     manifest, _ = storage.read_manifest(promoter.dest, promoter.location, model)
     promoter.check_owner(manifest)
     collecting = promoter.collecting_reason(manifest, version)
@@ -94,15 +96,64 @@ def _move_alias(promoter: Promoter, model: str, alias: str, version: int, *, tri
                           copy_mode=promoter.last_mode, warnings=["dry run: nothing was copied or changed"])
     if override:
         registry.set_tags(promoter.mlflow, model, version, {TAG_FORCE: f"{actor or 'unknown'} at {utc_now()}: {override}"})
-    registry.set_alias(promoter.mlflow, model, alias, version)
-    report = promoter.sync(model, trigger=trigger, actor=actor)
-    if report.served.get(alias) != version:
-        report.warnings.append(f"{alias} now serves v{report.served.get(alias)}: the alias was moved again meanwhile")
+    if set_intent is None:
+        registry.set_alias(promoter.mlflow, model, alias, version)
+    else:
+        set_intent()
+    report = promoter.sync(model, trigger=trigger, actor=actor, reason=reason)
+    served = report.canaries.get(alias, {}).get("version") if set_intent else report.served.get(alias)
+    if served != version:
+        report.warnings.append(f"{alias} now serves v{report.served.get(alias)}"
+                               + (f" with canary v{served}" if served else "") + ": the registry was changed meanwhile")
     return report
 
 
+def canary(config: Config, model: str, *, alias: str | None = None, version: int | None = None,
+           weight: float | None = None, promote_it: bool = False, abort: bool = False, force: bool = False,
+           trigger: str = "cli", actor: str | None = None, reason: str | None = None, dry_run: bool = False,
+           progress: Callable[[int], None] | None = None) -> SyncReport:
+    """Start (or reweight) a canary of `alias`: `weight` percent of its clients get `version` (its folder is
+    copied and verified first, then the registry gets the `<alias>-canary` alias and the weight tag, then a
+    sync publishes it). `promote_it`: the alias moves to the canary (guardrail as for promote) and the canary
+    intent goes; `abort`: the canary intent goes, the alias keeps its target."""
+    promoter = Promoter(config, progress=progress)
+    promoter.check_model(model)
+    alias = alias or config.registry.default_alias
+    _served_alias(config, alias)
+    if sum([version is not None, promote_it, abort]) != 1:
+        raise UsageProblem("give exactly one of --version N (with --weight W), --promote or --abort")
+    _lookup(registry.require_model, promoter.mlflow, model)
+    intent = registry.read_intent(promoter.mlflow, model, config.registry.served_aliases) or {}
+    candidate = intent.get(canary_alias(alias))
+    if promote_it or abort:
+        if candidate is None:
+            raise NotFound(f"{model}@{alias} has no canary to {'promote' if promote_it else 'abort'}")
+        if abort:
+            if dry_run:
+                return SyncReport(model=model, trigger=trigger, warnings=[f"dry run: would drop canary v{candidate}"])
+            registry.clear_canary(promoter.mlflow, model, alias)
+            return promoter.sync(model, trigger=trigger, actor=actor, reason=reason)
+        report = promote(config, model, to_alias=alias, version=candidate, force=force, trigger=trigger, actor=actor,
+                         reason=reason, dry_run=dry_run, progress=progress)
+        if not dry_run:
+            registry.clear_canary(promoter.mlflow, model, alias)
+            report = promoter.sync(model, trigger=trigger, actor=actor, reason=reason)
+        return report
+    if weight is None or not 0 < weight < 100:
+        raise UsageProblem("--weight must be a percent strictly between 0 and 100 (100 is --promote)")
+    assert version is not None
+    _lookup(registry.version_source, promoter.mlflow, model, version)
+    if intent.get(alias) is None:
+        raise NotFound(f"{model}@{alias} is not set: a canary splits an alias's traffic, so the alias needs a target")
+    if intent[alias] == version:
+        raise UsageProblem(f"{model}@{alias} already serves v{version}")
+    return _move_alias(promoter, model, alias, version, trigger=trigger, actor=actor, reason=reason, dry_run=dry_run,
+                       set_intent=lambda: registry.set_canary(promoter.mlflow, model, alias, version, weight))
+
+
 def rollback(config: Config, model: str, *, alias: str | None = None, actor: str | None = None,
-             dry_run: bool = False, progress: Callable[[int], None] | None = None) -> SyncReport:
+             reason: str | None = None, dry_run: bool = False,
+             progress: Callable[[int], None] | None = None) -> SyncReport:
     """Move `alias` back to the version it served before (manifest history), then sync."""
     promoter = Promoter(config, progress=progress)
     promoter.check_model(model)
@@ -114,8 +165,8 @@ def rollback(config: Config, model: str, *, alias: str | None = None, actor: str
         raise NotFound(f"{model}@{alias} has no earlier target in the served history to roll back to")
     # Going back is deliberate even to a lower score: say so where the guardrail (and everyone) looks.
     override = f"rollback of {alias}" if alias in config.registry.guarded_aliases else None
-    return _move_alias(promoter, model, alias, target, trigger="rollback", actor=actor, dry_run=dry_run,
-                       override=override)
+    return _move_alias(promoter, model, alias, target, trigger="rollback", actor=actor, reason=reason,
+                       dry_run=dry_run, override=override)
 
 
 def _bulk_states(config: Config, promoter: Promoter, models: list[str]) -> list[ModelState]:
@@ -312,3 +363,55 @@ def _delete_marked(promoter: Promoter, model: str, doomed: dict[int, list[str]],
                     promoter.prepare(model, route.version, collected=True)
                     report.restored.append(route.folder)
             etag = now_etag
+
+
+def history(config: Config, model: str, *, alias: str | None = None) -> list[dict]:
+    """Every published move of `model` (optionally one alias), oldest first, from its routes manifest: when,
+    from -> to, canary weight, trigger, actor, reason, and the version's tracked eval figure."""
+    promoter = Promoter(config)
+    promoter.check_model(model)
+    if alias is not None:
+        _served_alias(config, alias)
+    manifest, _ = storage.read_manifest(promoter.dest, promoter.location, model)
+    metrics = {}
+    for mv in registry.search_versions(promoter.mlflow, f"name = '{model}'"):
+        tags = mv.tags or {}
+        if TAG_METRIC_KEY in tags:
+            metrics[int(mv.version)] = f"{tags[TAG_METRIC_KEY]}={tags.get(TAG_METRIC_VALUE)}"
+    return [{**entry.model_dump(), "eval": metrics.get(entry.version)}
+            for entry in manifest.history if alias is None or entry.alias == alias]
+
+
+def endpoint_serves(models_body: dict, name: str, version: int, canary: bool) -> bool:
+    """Whether a `/v1/models` body lists `name` at `version` (as its canary when `canary`)."""
+    for card in models_body.get("data", []):
+        if card.get("id") == name:
+            meta = card.get("metadata") or {}
+            return ((meta.get("canary") or {}).get("version") if canary else meta.get("version")) == version
+    return False
+
+
+def wait_served(endpoint: str, name: str, version: int, *, canary: bool = False, timeout_s: float,
+                api_key: str | None = None, poll_s: float = 0.5) -> float:
+    """Poll `endpoint`/v1/models until it lists `name` at `version`; return the seconds it took. Raises
+    PromotionError naming what it saw last after `timeout_s` (the move itself is done: only not seen yet)."""
+    import httpx
+
+    started = time.monotonic()
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    seen = "no answer"
+    while True:
+        try:
+            response = httpx.get(f"{endpoint.rstrip('/')}/v1/models", headers=headers, timeout=5)
+            if response.status_code == 200 and endpoint_serves(response.json(), name, version, canary):
+                return round(time.monotonic() - started, 3)
+            seen = f"HTTP {response.status_code}"
+            if response.status_code == 200:
+                card = next((c for c in response.json().get("data", []) if c.get("id") == name), None)
+                seen = f"metadata {card['metadata']}" if card else f"{name} not listed"
+        except httpx.HTTPError as exc:
+            seen = type(exc).__name__
+        if time.monotonic() - started > timeout_s:
+            raise PromotionError(f"the move is published, but {endpoint} did not list {name} at v{version}"
+                                 f"{' as canary' if canary else ''} within {timeout_s:g} s (last: {seen})")
+        time.sleep(poll_s)

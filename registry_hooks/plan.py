@@ -5,9 +5,60 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Iterable, Mapping, Protocol
 
-from rlops.layout import AliasRoute, HistoryEntry, Refusal, RefusalKind, RoutesManifest, version_folder
+from rlops.layout import (
+    CANARY_SUFFIX,
+    AliasRoute,
+    CanaryRoute,
+    HistoryEntry,
+    Refusal,
+    RefusalKind,
+    RoutesManifest,
+    canary_alias,
+    version_folder,
+)
 
-Intent = Mapping[str, int]  # served alias -> registry version
+
+class Intent(dict):
+    """Registry alias -> version for the served aliases and their canaries (keys `<alias>-canary`), plus
+    `weights`: alias -> its canary's percent (the rlops.canary_weight.<alias> tags). Equal only with the
+    same weights, so a reweighted canary is a change."""
+
+    def __init__(self, targets: Mapping[str, int] = (), weights: Mapping[str, float] | None = None):
+        super().__init__(targets)
+        self.weights = dict(weights or {})
+
+    def __eq__(self, other) -> bool:
+        return dict.__eq__(self, other) and self.weights == getattr(other, "weights", {})
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def canary_targets(intent: Mapping[str, int]) -> dict[str, tuple[int, float]]:
+    """alias -> (canary version, weight) for the canaries a manifest can serve: weight set, the alias intended,
+    and a version other than the alias's own (a canary that is the target already is simply done)."""
+    weights = getattr(intent, "weights", {})
+    out = {}
+    for key, version in intent.items():
+        alias = key[: -len(CANARY_SUFFIX)] if key.endswith(CANARY_SUFFIX) else None
+        if alias and alias in weights and alias in intent and intent[alias] != version:
+            out[alias] = (version, weights[alias])
+    return out
+
+
+def served_targets(manifest: RoutesManifest) -> dict[str, int]:
+    """What the manifest serves, keyed as the intent is (canaries under `<alias>-canary`)."""
+    return {**{a: r.version for a, r in manifest.aliases.items()},
+            **{canary_alias(a): c.version for a, c in manifest.canaries.items()}}
+
+
+def effective_intent(intent: Mapping[str, int]) -> dict[str, int]:
+    """The intent less canary aliases no manifest would serve (see canary_targets)."""
+    canaries = canary_targets(intent)
+    return {k: v for k, v in intent.items()
+            if not k.endswith(CANARY_SUFFIX) or k[: -len(CANARY_SUFFIX)] in canaries}
 
 
 def next_manifest(
@@ -21,6 +72,8 @@ def next_manifest(
     history_limit: int,
     held: Mapping[str, tuple[RefusalKind, str]] | None = None,
     owner: str | None = None,
+    actor: str | None = None,
+    reason: str | None = None,
 ) -> RoutesManifest:
     """The manifest that serves `intent`, or `old` itself when nothing changes (no generation bump).
 
@@ -28,37 +81,70 @@ def next_manifest(
     (kind, reason) for a move refused for that alias only (guardrail, folder being collected). A refused
     alias keeps its previous target (if any) and records the refusal; an alias missing from `intent` is
     dropped (its route answers "alias not set"; history keeps it). A version published again leaves
-    `collected`. `owner` (None: keep old's) is recorded.
+    `collected`. `owner` (None: keep old's) is recorded. A canary (see canary_targets) is published beside
+    its alias's target, refused like an alias (keeping the canary it had); `actor` and `reason` go into the
+    history entries of this publication.
     """
     held = held or {}
     aliases: dict[str, AliasRoute] = {}
+    canaries: dict[str, CanaryRoute] = {}
     refused: dict[str, Refusal] = {}
     history = list(old.history)
-    for alias, version in sorted(intent.items()):
-        current = old.aliases.get(alias)
+    said = {"trigger": trigger, "at": now, "actor": actor, "reason": reason}
+
+    def target(key: str, version: int, current: AliasRoute | None) -> AliasRoute | None:
+        """The route `key` publishes: current if unchanged or refused (recorded), else the prepared one."""
         if current is not None and current.version == version:
-            aliases[alias] = current
-            continue
-        kind, reason = held.get(alias) or ("adapter", refusals.get(version))
-        if reason is not None:
-            earlier = old.refused.get(alias)
-            keep_time = earlier is not None and (earlier.version, earlier.reason, earlier.kind) == (version, reason, kind)
-            refused[alias] = earlier if keep_time else Refusal(version=version, reason=reason, at=now, kind=kind)
-            if current is not None:
-                aliases[alias] = current
-            continue
+            return current
+        kind, why = held.get(key) or ("adapter", refusals.get(version))
+        if why is not None:
+            earlier = old.refused.get(key)
+            keep_time = earlier is not None and (earlier.version, earlier.reason, earlier.kind) == (version, why, kind)
+            refused[key] = earlier if keep_time else Refusal(version=version, reason=why, at=now, kind=kind)
+            return current
         route = prepared.get(version)
         if route is None:
-            raise KeyError(f"no prepared route for {alias} -> v{version}")
-        aliases[alias] = route.model_copy(update={"promoted_at": now, "trigger": trigger})
-        history.append(HistoryEntry(alias=alias, version=version, at=now, trigger=trigger))
+            raise KeyError(f"no prepared route for {key} -> v{version}")
+        return route.model_copy(update={"promoted_at": now, "trigger": trigger})
+
+    for alias, version in sorted(intent.items()):
+        if alias.endswith(CANARY_SUFFIX):
+            continue
+        current = old.aliases.get(alias)
+        route = target(alias, version, current)
+        if route is None:
+            continue
+        aliases[alias] = route
+        if route is not current:
+            was_canary = old.canaries.get(alias)
+            event = "canary_promoted" if was_canary is not None and was_canary.version == version else "move"
+            history.append(HistoryEntry(alias=alias, version=version, event=event,
+                                        from_version=current.version if current else None, **said))
+    for alias, (version, weight) in sorted(canary_targets(intent).items()):
+        current = old.canaries.get(alias)
+        baseline = aliases.get(alias)
+        route = target(canary_alias(alias), version, current)
+        if route is None or baseline is None or baseline.version == route.version:
+            continue
+        canary = CanaryRoute(**{**route.model_dump(), "weight": weight}) if route is not current else current
+        if route is current and current.weight != weight:
+            canary = current.model_copy(update={"weight": weight})
+        canaries[alias] = canary
+        if canary is not current:
+            history.append(HistoryEntry(alias=alias, version=version, event="canary", weight=weight,
+                                        from_version=baseline.version, **said))
+    for alias, gone in sorted(old.canaries.items()):
+        if alias not in canaries and (alias not in aliases or aliases[alias].version != gone.version):
+            history.append(HistoryEntry(alias=alias, version=gone.version, event="canary_aborted", weight=0,
+                                        from_version=gone.version, **said))
     owner = owner or old.owner
-    if aliases == old.aliases and refused == old.refused and owner == old.owner:
+    if aliases == old.aliases and canaries == old.canaries and refused == old.refused and owner == old.owner:
         return old
-    served = {r.version for r in aliases.values()}
+    served = {r.version for r in [*aliases.values(), *canaries.values()]}
     return RoutesManifest(
         model=old.model, owner=owner, generation=old.generation + 1, updated_at=now, aliases=aliases,
-        history=history[-history_limit:], refused=refused, collected=[c for c in old.collected if c.version not in served],
+        canaries=canaries, history=history[-history_limit:], refused=refused,
+        collected=[c for c in old.collected if c.version not in served],
     )
 
 
@@ -93,7 +179,9 @@ def guardrail_refusal(candidate: EvalFacts, current: EvalFacts | None, *, direct
 
 
 def served_aliases(manifest: RoutesManifest, version: int) -> list[str]:
-    return sorted(a for a, r in manifest.aliases.items() if r.version == version)
+    """Where `version` is served: its aliases, and `<alias> (canary W%)` where it is an alias's canary."""
+    return sorted([a for a, r in manifest.aliases.items() if r.version == version]
+                  + [f"{a} (canary {c.weight:g}%)" for a, c in manifest.canaries.items() if c.version == version])
 
 
 def promotion_record(manifest: RoutesManifest, version: int, limit: int) -> tuple[str, str]:
@@ -117,7 +205,7 @@ def rollback_target(manifest: RoutesManifest, alias: str) -> int | None:
     route = manifest.aliases.get(alias)
     current = route.version if route else None
     for entry in reversed(manifest.history):
-        if entry.alias == alias and entry.version != current:
+        if entry.alias == alias and entry.event in ("move", "canary_promoted") and entry.version != current:
             return entry.version
     return None
 
@@ -128,25 +216,31 @@ class Drift:
     intended: int | None
     served: int | None
     refused_reason: str | None = None
+    intended_weight: float | None = None  # canaries: the registry's and the manifest's weight
+    served_weight: float | None = None
 
     def describe(self) -> str:
         want = f"v{self.intended}" if self.intended is not None else "unset"
         have = f"v{self.served}" if self.served is not None else "nothing"
+        if self.intended_weight != self.served_weight:
+            want += f" at {self.intended_weight or 0:g}%"
+            have += f" at {self.served_weight or 0:g}%"
         text = f"{self.alias}: registry {want}, served {have}"
         return text + (f" (refused: {self.refused_reason})" if self.refused_reason else "")
 
 
 def drift(intent: Intent, manifest: RoutesManifest) -> list[Drift]:
-    """Aliases where the registry's intent differs from what the manifest serves."""
+    """Aliases (and canaries, as `<alias>-canary`) where the registry's intent differs from what is served."""
     out = []
-    for alias in sorted(set(intent) | set(manifest.aliases)):
-        want = intent.get(alias)
-        route = manifest.aliases.get(alias)
-        have = route.version if route else None
-        if want != have:
+    wanted, served = effective_intent(intent), served_targets(manifest)
+    weights = {canary_alias(a): w for a, (_, w) in canary_targets(intent).items()}
+    served_weights = {canary_alias(a): c.weight for a, c in manifest.canaries.items()}
+    for alias in sorted(set(wanted) | set(served)):
+        want, have = wanted.get(alias), served.get(alias)
+        if want != have or weights.get(alias) != served_weights.get(alias):
             refusal = manifest.refused.get(alias)
             reason = refusal.reason if refusal is not None and refusal.version == want else None
-            out.append(Drift(alias, want, have, reason))
+            out.append(Drift(alias, want, have, reason, weights.get(alias), served_weights.get(alias)))
     return out
 
 

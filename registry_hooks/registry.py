@@ -8,8 +8,10 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from registry_hooks.adapter import InvalidAdapter
+from registry_hooks.plan import Intent
 from rlops.config import Config
-from rlops.layout import TAG_BASE_MODEL, TAG_EVAL_SET, TAG_METRIC_KEY, TAG_METRIC_VALUE, TAG_SHA256, S3Location, parse_s3_uri
+from rlops.layout import (CANARY_WEIGHT_TAG, TAG_BASE_MODEL, TAG_EVAL_SET, TAG_METRIC_KEY, TAG_METRIC_VALUE, TAG_SHA256,
+                          S3Location, canary_alias, parse_s3_uri)
 
 LEGACY_PRODUCTION_STAGE = "Production"
 LEGACY_PRODUCTION_ALIAS = "production"
@@ -55,7 +57,7 @@ def _not_found(exc: MlflowException) -> bool:
     return exc.error_code == "RESOURCE_DOES_NOT_EXIST"
 
 
-def read_intent(client: MlflowClient, model: str, served_aliases: list[str]) -> dict[str, int] | None:
+def read_intent(client: MlflowClient, model: str, served_aliases: list[str]) -> Intent | None:
     """Served alias -> version for `model`; None when the registered model does not exist."""
     try:
         registered = client.get_registered_model(model)
@@ -66,17 +68,30 @@ def read_intent(client: MlflowClient, model: str, served_aliases: list[str]) -> 
     return intent_of(registered, served_aliases)
 
 
-def intent_of(registered, served_aliases: list[str]) -> dict[str, int]:
-    """Served alias -> version of one RegisteredModel (as `get_` or `search_registered_models` return it).
+def intent_of(registered, served_aliases: list[str]) -> Intent:
+    """Served alias -> version of one RegisteredModel (as `get_` or `search_registered_models` return it),
+    with each served alias's canary (`<alias>-canary` alias) and its weight tag.
 
     A legacy stage "Production" counts as the `production` alias only when that alias is not set.
     """
-    intent = {alias: int(v) for alias, v in registered.aliases.items() if alias in served_aliases}
+    keys = {*served_aliases, *(canary_alias(a) for a in served_aliases)}
+    intent = {alias: int(v) for alias, v in registered.aliases.items() if alias in keys}
     if LEGACY_PRODUCTION_ALIAS in served_aliases and LEGACY_PRODUCTION_ALIAS not in intent:
         staged = [int(mv.version) for mv in registered.latest_versions or [] if mv.current_stage == LEGACY_PRODUCTION_STAGE]
         if staged:
             intent[LEGACY_PRODUCTION_ALIAS] = max(staged)
-    return intent
+    tags = registered.tags or {}
+    weights = {a: w for a in served_aliases if (w := canary_weight(tags.get(CANARY_WEIGHT_TAG + a))) is not None}
+    return Intent(intent, weights)
+
+
+def canary_weight(value: str | None) -> float | None:
+    """A weight tag's percent, or None when unset or not a number strictly between 0 and 100 (not served)."""
+    try:
+        weight = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return weight if weight is not None and 0 < weight < 100 else None
 
 
 def name_filters(models: list[str]) -> list[str]:
@@ -196,3 +211,20 @@ def set_tags(client: MlflowClient, model: str, version: int, tags: dict[str, str
 
 def set_alias(client: MlflowClient, model: str, alias: str, version: int) -> None:
     client.set_registered_model_alias(model, alias, str(version))
+
+
+def set_canary(client: MlflowClient, model: str, alias: str, version: int, weight: float) -> None:
+    """The canary intent: weight tag first, so the alias never names a canary without its weight."""
+    client.set_registered_model_tag(model, CANARY_WEIGHT_TAG + alias, f"{weight:g}")
+    client.set_registered_model_alias(model, canary_alias(alias), str(version))
+
+
+def clear_canary(client: MlflowClient, model: str, alias: str) -> None:
+    """Drop the canary intent of `alias` (alias first: a weight alone names nothing); absent parts are fine."""
+    for drop, name in ((client.delete_registered_model_alias, canary_alias(alias)),
+                       (client.delete_registered_model_tag, CANARY_WEIGHT_TAG + alias)):
+        try:
+            drop(model, name)
+        except MlflowException as exc:
+            if not (_not_found(exc) or "not found" in exc.message):
+                raise

@@ -228,16 +228,23 @@ async def read_bounded(request: Request, limit: int) -> bytes:
 
 
 def serve(config: Config) -> None:
-    """Run the receiver and the reconciler in the foreground until interrupted."""
+    """Run the receiver, the reconciler and (with `registry.canary.slo`) the canary watcher until interrupted."""
     import uvicorn
+
+    from registry_hooks.watcher import CanaryWatcher
 
     metrics = Metrics()
     reconciler = Reconciler(config, metrics)
     app = create_app(config, reconciler, metrics)
+    watcher = CanaryWatcher(config) if config.registry.canary.slo is not None else None
     reconciler.start()
+    if watcher is not None:
+        watcher.start()
     try:
         uvicorn.run(app, host=config.hooks.host, port=config.hooks.port, log_level="warning")
     finally:
+        if watcher is not None:
+            watcher.stop()
         reconciler.stop()
 
 

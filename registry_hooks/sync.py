@@ -39,6 +39,7 @@ from registry_hooks.plan import (
     parse_time,
     promotion_record,
     served_aliases,
+    served_targets,
 )
 from rlops.config import Config, artifacts_s3_client_kwargs, s3_client_kwargs
 from rlops.layout import (
@@ -84,6 +85,7 @@ class SyncReport:
     generation: int = 0
     changed: bool = False
     served: dict[str, int] = field(default_factory=dict)
+    canaries: dict[str, dict] = field(default_factory=dict)  # alias -> {"version", "weight"}
     promoted: dict[str, int] = field(default_factory=dict)
     refused: dict[str, dict] = field(default_factory=dict)
     removed: list[str] = field(default_factory=list)
@@ -327,7 +329,8 @@ class Promoter:
 
     # ------------------------------------------------------------------------------------ whole model
 
-    def sync(self, model: str, *, trigger: str, actor: str | None = None) -> SyncReport:
+    def sync(self, model: str, *, trigger: str, actor: str | None = None, reason: str | None = None) -> SyncReport:
+        """`actor` and `reason` go into the history entries of what this sync publishes."""
         self.check_model(model)
         started = time.monotonic()
         report = SyncReport(model=model, trigger=trigger)
@@ -339,9 +342,10 @@ class Promoter:
             manifest, etag = storage.read_manifest(self.dest, self.location, model)
             self.check_owner(manifest)
             held: dict[str, tuple[str, str]] = {}  # alias -> (kind, reason): refused for that alias only
+            served = served_targets(manifest)
             for alias, version in intent.items():
-                current = manifest.aliases.get(alias)
-                if (current is not None and current.version == version) or version in refusals:
+                current = served.get(alias)
+                if current == version or version in refusals:
                     continue
                 collecting = self.collecting_reason(manifest, version)
                 if collecting:
@@ -350,7 +354,7 @@ class Promoter:
                 try:
                     # The same policy for every trigger: the eval guardrail runs here, not in the CLI only.
                     guarded = alias in self.config.registry.guarded_aliases
-                    losing = guarded and self.guard_refusal(model, version, current.version if current else None)
+                    losing = guarded and self.guard_refusal(model, version, current)
                     if losing:
                         held[alias] = ("guardrail", f"{losing}; to override, tag v{version} "
                                                     f"{TAG_FORCE}='<who>: <why>' (promote --force does)")
@@ -373,7 +377,7 @@ class Promoter:
                 continue  # the registry moved while we copied: prepare the new targets
             new = next_manifest(manifest, intent, prepared, refusals, trigger=trigger, now=utc_now(),
                                 history_limit=self.config.registry.history_limit, held=held,
-                                owner=self.config.registry_owner)
+                                owner=self.config.registry_owner, actor=actor, reason=reason)
             if any(self._may_be_collected(model, r.version) for r in newly_promoted(manifest, new).values()):
                 prepared.clear()  # a folder vanished after we verified it (gc): copy again before naming it
                 continue
@@ -394,6 +398,7 @@ class Promoter:
         report.changed = new is not old
         report.generation = new.generation
         report.served = {a: r.version for a, r in new.aliases.items()}
+        report.canaries = {a: {"version": c.version, "weight": c.weight} for a, c in new.canaries.items()}
         report.promoted = {a: r.version for a, r in newly_promoted(old, new).items()}
         report.refused = {a: {"version": r.version, "reason": r.reason} for a, r in new.refused.items()}
         report.removed = sorted(set(old.aliases) - set(intent))
@@ -423,7 +428,8 @@ class Promoter:
             report.warnings.append(f"audit tags not written: {exc}")
 
 
-def sync_model(config: Config, model: str, *, trigger: str, actor: str | None = None) -> SyncReport:
+def sync_model(config: Config, model: str, *, trigger: str, actor: str | None = None,
+               reason: str | None = None) -> SyncReport:
     """Make `_routes/<model>.json` serve the model's registry aliases (idempotent; safe to run concurrently)."""
-    return Promoter(config).sync(model, trigger=trigger, actor=actor)
+    return Promoter(config).sync(model, trigger=trigger, actor=actor, reason=reason)
 

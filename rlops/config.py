@@ -99,6 +99,24 @@ class StorageConfig(_Section):
     bucket: str = Field("rlops", pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
+class CanarySLO(_Section):
+    """When the watcher in `rlops hooks serve` aborts a canary: over the last `window_s`, once the canary has
+    answered `min_requests`, its error rate exceeds the baseline's by more than `max_error_rate_increase`, or
+    its p95 latency exceeds `max_p95_ratio` x the baseline's (and `min_p95_ms`)."""
+
+    window_s: float = Field(60.0, gt=0)
+    min_requests: int = Field(20, ge=1)
+    max_error_rate_increase: float = Field(0.05, ge=0, le=1)
+    max_p95_ratio: float = Field(2.0, gt=1)
+    min_p95_ms: float = Field(50.0, ge=0, description="a canary p95 below this is never a breach (noise)")
+    metrics_url: str | None = Field(None, description="Prometheus text of the serving metrics; default "
+                                    "http://<serving.host>:<serving.metrics_port>/metrics")
+
+
+class CanaryConfig(_Section):
+    slo: CanarySLO | None = Field(None, description="set: the hooks service watches canaries and aborts one on a breach")
+
+
 class RegistryConfig(_Section):
     models: list[RegistryName] = Field(default_factory=lambda: ["maze-grpo"], min_length=1)
     served_aliases: list[Alias] = Field(default_factory=lambda: ["production", "staging"], min_length=1)
@@ -124,6 +142,7 @@ class RegistryConfig(_Section):
         "(credentials: ARTIFACTS_AWS_ACCESS_KEY_ID / ARTIFACTS_AWS_SECRET_ACCESS_KEY)")
     artifacts_region: str | None = None
     history_limit: int = Field(200, ge=1, description="routes manifest keeps this many history entries")
+    canary: CanaryConfig = Field(default_factory=CanaryConfig)
     gc_retention_s: float = Field(30 * 86400, ge=0, description="gc keeps folders named in history this long")
     gc_grace_s: float = Field(3600, ge=0, description="gc never deletes a folder younger than this")
     gc_lease_s: float = Field(300, gt=0, description="gc deletes a folder only within lease/2 of marking it "

@@ -4,10 +4,16 @@
 - S3 layout under `dynamic_lora_loading_path` (= `s3://<bucket>/<prefix>`): one immutable folder per
   promoted version `<prefix>/<model>-v<version>/`, and one routes manifest per registered model at
   `<prefix>/_routes/<model>.json` (a folder Ray never lists as an adapter: it has no adapter_config.json).
-- The routes manifest schema (`schema_version: 1`) and name resolution against it.
+- The routes manifest schema (`schema_version: 2`; version-1 files still read) and name resolution against it.
+- Canaries: a served alias may split its traffic with a second version. Registry intent: the alias
+  `<alias>-canary` names the candidate and the registered-model tag `rlops.canary_weight.<alias>` its share in
+  percent; the manifest publishes it as `canaries[<alias>]`. Which version a request gets is a deterministic
+  hash of the client's identity (`canary_bucket`), so one client stays on one version for a given canary.
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -41,7 +47,9 @@ EVAL_TABLE_DIR = "eval_tables"  # rewritten after every manifest write or delete
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ALLOWED_SUFFIXES = (".safetensors", ".json")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: canaries, and history entries with from/weight/actor/reason (1 is still read)
+CANARY_SUFFIX = "-canary"  # the registry alias `<alias>-canary` names the alias's canary version
+CANARY_WEIGHT_TAG = "rlops.canary_weight."  # + alias, on the registered model: the canary's share in percent
 
 
 # ------------------------------------------------------------------------------------------ name grammar
@@ -181,11 +189,24 @@ class AliasRoute(_Strict):
     trigger: str
 
 
+class CanaryRoute(AliasRoute):
+    """A second target of an alias: `weight` percent of its clients (by identity hash) get this version."""
+
+    weight: float = Field(gt=0, lt=100)
+
+
 class HistoryEntry(_Strict):
+    """One published move. `weight` set: a canary started/reweighted at it; `event` says what happened."""
+
     alias: str
     version: int = Field(ge=1)
     at: str
     trigger: str
+    event: Literal["move", "canary", "canary_promoted", "canary_aborted"] = "move"
+    from_version: int | None = None
+    weight: float | None = None
+    actor: str | None = None
+    reason: str | None = None
 
 
 RefusalKind = Literal["adapter", "guardrail", "collecting"]
@@ -209,12 +230,13 @@ class Collected(_Strict):
 
 
 class RoutesManifest(_Strict):
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = SCHEMA_VERSION
     model: str
     owner: str | None = None  # the deployment (registry.owner) that writes it; None: written before owners
     generation: int = Field(0, ge=0)
     updated_at: str = Field(default_factory=utc_now)
     aliases: dict[str, AliasRoute] = Field(default_factory=dict)
+    canaries: dict[str, CanaryRoute] = Field(default_factory=dict)  # alias -> its canary (schema 2)
     history: list[HistoryEntry] = Field(default_factory=list)
     refused: dict[str, Refusal] = Field(default_factory=dict)
     collected: list[Collected] = Field(default_factory=list)
@@ -228,7 +250,11 @@ class RoutesManifest(_Strict):
         for alias in [*self.aliases, *self.refused, *(h.alias for h in self.history)]:
             if not ALIAS_RE.match(alias):
                 raise ValueError(f"alias {alias!r} is not a valid alias")
-        for alias, route in self.aliases.items():
+        for alias, canary in self.canaries.items():
+            baseline = self.aliases.get(alias)
+            if baseline is None or baseline.version == canary.version:
+                raise ValueError(f"canary of {alias!r}: needs the alias set to another version")
+        for alias, route in [*self.aliases.items(), *((f"{a}{CANARY_SUFFIX}", c) for a, c in self.canaries.items())]:
             if route.folder != version_folder(self.model, route.version):
                 raise ValueError(f"alias {alias!r}: folder is not {self.model}'s folder of v{route.version}")
             if not route.files or not all(is_allowed_adapter_file(n) and SHA256_RE.match(d) for n, d in route.files.items()):
@@ -243,7 +269,20 @@ class RoutesManifest(_Strict):
     def published_versions(self) -> set[int]:
         """Versions a client may address as `@v<N>`: current targets and recorded history, less collected ones."""
         history = {h.version for h in self.history} - self.collected_versions()
-        return {r.version for r in self.aliases.values()} | history
+        return {r.version for r in [*self.aliases.values(), *self.canaries.values()]} | history
+
+
+def canary_alias(alias: str) -> str:
+    """The registry alias that names `alias`'s canary version."""
+    return f"{alias}{CANARY_SUFFIX}"
+
+
+def canary_bucket(model: str, alias: str, canary_version: int, client_key: str) -> float:
+    """The client's place in [0, 100) for one canary: below the weight, it gets the canary. The canary's version
+    is part of the hash (a new canary draws new clients) but the weight is not, so raising the weight only adds
+    clients to the canary, and nobody flips back and forth while it grows."""
+    digest = hashlib.sha256(f"{model}\0{alias}\0{canary_version}\0{client_key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 * 100
 
 
 # ---------------------------------------------------------------------------------------------- resolution
@@ -257,6 +296,7 @@ class Resolution:
     folder: str | None  # None = the base model
     version: int | None
     alias: str | None
+    canary: bool = False  # the alias's canary answered (not its baseline)
 
 
 def resolve_model_name(
@@ -264,8 +304,10 @@ def resolve_model_name(
     base_model_id: str,
     manifests: Mapping[str, RoutesManifest],
     served_aliases: list[str] | tuple[str, ...],
+    client_key: str | None = None,
 ) -> Resolution:
-    """Resolve a parsed name against the published manifests; raise ModelNotFound with a client-safe message."""
+    """Resolve a parsed name against the published manifests; raise ModelNotFound with a client-safe message.
+    An alias with a canary picks by `client_key` (None: a fresh random key, i.e. per request)."""
     if ref.base != base_model_id:
         raise ModelNotFound(f"The model {ref.raw!r} does not exist.")
     if ref.model is None:
@@ -285,4 +327,9 @@ def resolve_model_name(
     route = manifest.aliases.get(ref.alias)
     if route is None:
         raise ModelNotFound(f"The model {ref.raw!r} is not available: alias {ref.alias!r} not set.")
+    canary = manifest.canaries.get(ref.alias)
+    if canary is not None:
+        key = client_key if client_key is not None else os.urandom(16).hex()
+        if canary_bucket(ref.model, ref.alias, canary.version, key) < canary.weight:
+            return Resolution(ref=ref, folder=canary.folder, version=canary.version, alias=ref.alias, canary=True)
     return Resolution(ref=ref, folder=route.folder, version=route.version, alias=ref.alias)

@@ -8,6 +8,7 @@ leave: not in bodies, not in errors, not in `/v1/models`.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -119,9 +120,25 @@ def parse_request(raw: bytes, request_cls: type[BaseModel], max_image_pixels: in
         raise ClientError(400, f"Invalid request: {exc}.") from None
 
 
-def resolve(table, raw_name: str) -> Resolution:
+SESSION_HEADER = "x-rlops-session"
+
+
+def client_key(user: object, session: str | None, authorization: str | None) -> str | None:
+    """Who the client is, for a sticky canary pick: the OpenAI `user` field, else the `x-rlops-session`
+    header, else the API key (as a digest: the key itself goes nowhere); None: no identity, pick per request."""
+    if isinstance(user, str) and user:
+        return "user:" + user
+    if session:
+        return "session:" + session
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()
+    return None
+
+
+def resolve(table, raw_name: str, key: str | None = None) -> Resolution:
     try:
-        return table.resolve(raw_name)
+        return table.resolve(raw_name, key)
     except ModelNameError as exc:
         raise ClientError(exc.status, str(exc), code=exc.code, param="model") from None
 
@@ -159,11 +176,41 @@ def scrub(message: str, *secrets_to_hide: tuple[str, str]) -> str:
 # ----------------------------------------------------------------------------------------------- metrics
 
 
+USAGE_KEY = b'"usage":'
+_decoder = json.JSONDecoder()
+
+
+def usage_in(data: bytes | str) -> tuple[int, int] | None:
+    """(prompt, completion) tokens of the last `"usage": {...}` object in a body or SSE chunk, else None.
+    Parses only from that key on (the engine writes usage last), not the whole answer."""
+    raw = data if isinstance(data, bytes) else data.encode()
+    at = raw.rfind(USAGE_KEY)
+    if at < 0:
+        return None
+    try:
+        usage, _ = _decoder.raw_decode(raw[at + len(USAGE_KEY):].decode(errors="replace").lstrip())
+    except ValueError:
+        return None
+    if not isinstance(usage, dict):
+        return None  # "usage": null in the chunks before the last
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return (prompt, completion) if isinstance(prompt, int) and isinstance(completion, int) else None
+
+
+def is_error_event(chunk: bytes | str) -> bool:
+    """An SSE event carrying an OpenAI error object: the engine failed after the 200 headers went out. (A
+    quote inside generated text is escaped in its JSON, so this cannot match an answer's content.)"""
+    return ('data: {"error"' if isinstance(chunk, str) else b'data: {"error"') in chunk
+
+
+LATENCY_BOUNDARIES_MS = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000]
+
+
 class IngressMetrics:
     """Prometheus metrics through Ray Serve's metrics API, tagged by resolved model/alias/version only
     (never the raw client string: unknown names would blow up the label cardinality)."""
 
-    TAGS = ("registered_model", "alias", "version", "endpoint")
+    TAGS = ("registered_model", "alias", "version", "canary", "endpoint")
 
     def __init__(self):
         from ray.serve import metrics
@@ -172,19 +219,29 @@ class IngressMetrics:
         self.errors = metrics.Counter("rlops_serving_errors", "Error answers by resolved alias/version and status.",
                                       tag_keys=(*self.TAGS, "status"))
         self.latency = metrics.Histogram("rlops_serving_latency_ms", "Request latency (to the last byte) in ms.",
-                                         boundaries=[5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000],
-                                         tag_keys=self.TAGS)
+                                         boundaries=LATENCY_BOUNDARIES_MS, tag_keys=self.TAGS)
+        self.ttft = metrics.Histogram("rlops_serving_ttft_ms", "Time to the first answer byte (first streamed chunk, "
+                                      "or the whole body) in ms.", boundaries=LATENCY_BOUNDARIES_MS, tag_keys=self.TAGS)
+        self.tokens = metrics.Counter("rlops_serving_tokens", "Prompt and completion tokens by resolved alias/version.",
+                                      tag_keys=(*self.TAGS, "kind"))
 
-    def record(self, resolution: Resolution | None, endpoint: str, status: int, latency_ms: float) -> None:
+    def record(self, resolution: Resolution | None, endpoint: str, status: int, latency_ms: float, *,
+               ttft_ms: float | None = None, usage: tuple[int, int] | None = None) -> None:
         ref = resolution.ref if resolution else None
         tags = {
             "registered_model": (ref.model or "(base)") if ref else "(unresolved)",
             "alias": (resolution.alias or "") if resolution else "",
             "version": str(resolution.version or "") if resolution else "",
+            "canary": "true" if resolution and resolution.canary else "false",
             "endpoint": endpoint,
         }
         self.requests.inc(tags=tags)
         self.latency.observe(latency_ms, tags=tags)
+        if ttft_ms is not None:
+            self.ttft.observe(ttft_ms, tags=tags)
+        if usage is not None:
+            self.tokens.inc(usage[0], tags={**tags, "kind": "prompt"})
+            self.tokens.inc(usage[1], tags={**tags, "kind": "completion"})
         if status >= 400:
             self.errors.inc(tags={**tags, "status": str(status)})
 
@@ -277,7 +334,9 @@ class AliasIngress(OpenAiIngress):
         try:
             check_api_key(request.headers.get("authorization"), self._api_keys)
             body = parse_request(await self._read_body(request), request_cls, self._settings.max_image_pixels)
-            resolution = resolve(self._routes.table, body.model)
+            key = client_key(getattr(body, "user", None), request.headers.get(SESSION_HEADER),
+                             request.headers.get("authorization"))
+            resolution = resolve(self._routes.table, body.model, key)
             response = await self._forward(body, resolution, endpoint, request)
         except ClientError as err:
             self._finish(resolution, endpoint, err.status, started, stream=False)
@@ -285,7 +344,8 @@ class AliasIngress(OpenAiIngress):
         if isinstance(response, StreamingResponse):
             response.body_iterator = self._finish_after(response.body_iterator, resolution, endpoint, started)
         else:
-            self._finish(resolution, endpoint, response.status_code, started, stream=False)
+            self._finish(resolution, endpoint, response.status_code, started, stream=False,
+                         first_byte=time.perf_counter(), usage=usage_in(response.body))
         return response
 
     async def _read_body(self, request: Request) -> bytes:
@@ -338,24 +398,37 @@ class AliasIngress(OpenAiIngress):
         return response
 
     async def _finish_after(self, chunks: AsyncIterator, resolution, endpoint: str, started: float):
-        status = 200
+        """Counts a stream when it ends: an engine error after the 200 headers (an error event, or the stream
+        raising) is a 500 in the metrics, a client that went away a 499."""
+        status, first_byte, usage = 200, None, None
         try:
             async for chunk in chunks:
+                if first_byte is None:
+                    first_byte = time.perf_counter()
+                if is_error_event(chunk):
+                    status = 500
+                usage = usage_in(chunk) or usage
                 yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            status = 499  # the client went away
+            raise
         except BaseException:
-            status = 499  # client went away or the stream broke after the headers were sent
+            status = 500  # the stream broke after the headers were sent
             raise
         finally:
-            self._finish(resolution, endpoint, status, started, stream=True)
+            self._finish(resolution, endpoint, status, started, stream=True, first_byte=first_byte, usage=usage)
 
-    def _finish(self, resolution: Resolution | None, endpoint: str, status: int, started: float, *, stream: bool) -> None:
+    def _finish(self, resolution: Resolution | None, endpoint: str, status: int, started: float, *, stream: bool,
+                first_byte: float | None = None, usage: tuple[int, int] | None = None) -> None:
         latency_ms = (time.perf_counter() - started) * 1000
-        self._metrics.record(resolution, endpoint, status, latency_ms)
+        ttft_ms = (first_byte - started) * 1000 if first_byte is not None else None
+        self._metrics.record(resolution, endpoint, status, latency_ms, ttft_ms=ttft_ms, usage=usage)
         ref = resolution.ref if resolution else None
         log.info(json.dumps({
             "event": "request", "endpoint": endpoint, "status": status, "stream": stream,
             "model": ref.raw if ref else None, "alias": resolution.alias if resolution else None,
             "version": resolution.version if resolution else None, "latency_ms": round(latency_ms, 2),
+            "canary": bool(resolution and resolution.canary),
         }))
 
 

@@ -53,10 +53,11 @@ class RoutesTable:
     default_alias: str
     manifests: Mapping[str, RoutesManifest] = field(default_factory=dict)
 
-    def resolve(self, raw_name: object) -> Resolution:
-        """Client name -> route; raises MalformedModelName (400) or ModelNotFound (404), client-safe messages."""
+    def resolve(self, raw_name: object, client_key: str | None = None) -> Resolution:
+        """Client name -> route; raises MalformedModelName (400) or ModelNotFound (404), client-safe messages.
+        `client_key` picks between an alias's target and its canary (sticky per key)."""
         ref = parse_model_name(raw_name, self.default_alias)
-        return resolve_model_name(ref, self.base_model_id, self.manifests, self.served_aliases)
+        return resolve_model_name(ref, self.base_model_id, self.manifests, self.served_aliases, client_key)
 
     def model_cards(self) -> list[dict[str, Any]]:
         """`/v1/models` entries: the base, then `<base>:<model>@<alias>` for every served alias that is set
@@ -70,6 +71,9 @@ class RoutesTable:
                     continue
                 meta = {"kind": "alias", "registered_model": model, "alias": alias, "version": route.version,
                         "promoted_at": route.promoted_at}
+                canary = manifest.canaries.get(alias)
+                if canary is not None:
+                    meta["canary"] = {"version": canary.version, "weight": canary.weight, "since": canary.promoted_at}
                 if alias == self.default_alias:
                     cards.append(_card(f"{self.base_model_id}:{model}", meta))
                 cards.append(_card(f"{self.base_model_id}:{model}@{alias}", meta))

@@ -199,3 +199,53 @@ def status_record(stack, config, name: str) -> dict:
 def test_unknown_verb_is_a_usage_error(cli):
     code, _, err = cli("stauts")
     assert code == 2 and "No such command 'stauts'" in err
+
+
+def test_canary_cli_reweight_abort_promote_and_history(stack, test_config, mlflow_client, versions, cli):
+    model = test_config.registry.models[0]
+    v1, v2 = versions(1, 0.50), versions(2, 0.75)
+    assert cli(model, "--version", str(v1), "--to", "production")[0] == 0
+
+    code, out, _ = cli("canary", model, "--version", str(v2), "--weight", "10", "--reason", "first look", "--json")
+    assert code == 0, out
+    assert json.loads(out)["canaries"] == {"production": {"version": v2, "weight": 10}}
+    manifest = assert_manifest_consistent(stack, test_config)
+    assert manifest.schema_version == 2 and manifest.aliases["production"].version == v1
+    assert mlflow_client.get_model_version_by_alias(model, "production-canary").version == str(v2)
+    assert mlflow_client.get_registered_model(model).tags["rlops.canary_weight.production"] == "10"
+    code, out, _ = cli("canary", model, "--version", str(v2), "--weight", "30")
+    assert code == 0 and f"production -> v{v1} (canary v{v2} at 30%)" in out
+    code, _, _ = cli("canary", model, "--abort", "--reason", "looked wrong")
+    assert code == 0 and read_manifest(stack, test_config).canaries == {}
+    assert "rlops.canary_weight.production" not in mlflow_client.get_registered_model(model).tags
+    assert cli("canary", model, "--version", str(v2), "--weight", "50")[0] == 0
+    code, out, _ = cli("canary", model, "--promote", "--reason", "good numbers")
+    assert code == 0, out
+    manifest = assert_manifest_consistent(stack, test_config)
+    assert manifest.aliases["production"].version == v2 and manifest.canaries == {}
+    assert "production-canary" not in mlflow_client.get_registered_model(model).aliases
+
+    # Usage and lookup errors: exit codes, nothing changed.
+    for args, expected, message in [
+        (("--version", str(v1), "--weight", "100"), 2, "strictly between 0 and 100"),
+        (("--version", str(v2), "--weight", "10"), 2, f"already serves v{v2}"),
+        (("--version", str(v1)), 2, "needs --weight"),
+        (("--promote",), 3, "has no canary"),
+        (("--version", "99", "--weight", "5"), 3, "does not exist"),
+        (("--version", str(v1), "--weight", "5", "--alias", "nope"), 3, "not served"),
+        (("--promote", "--abort"), 2, "exactly one of"),
+    ]:
+        code, _, err = cli("canary", model, *args)
+        assert code == expected and message in err, (args, code, err)
+    assert read_manifest(stack, test_config).generation == manifest.generation
+
+    code, out, _ = cli("history", model, "--alias", "production", "--json")
+    entries = json.loads(out)
+    assert code == 0
+    assert [(e["event"], e["version"], e["from_version"], e["weight"], e["actor"], e["reason"]) for e in entries] == [
+        ("move", v1, None, None, "alice", None), ("canary", v2, v1, 10, "alice", "first look"),
+        ("canary", v2, v1, 30, "alice", None), ("canary_aborted", v2, v2, 0, "alice", "looked wrong"),
+        ("canary", v2, v1, 50, "alice", None), ("canary_promoted", v2, v1, None, "alice", "good numbers")]
+    assert all(e["trigger"] == "cli" and e["eval"] for e in entries)
+    code, out, _ = cli("history", model)
+    assert code == 0 and f"v{v1} -> v{v2} (canary promoted)" in out and "reason: good numbers" in out

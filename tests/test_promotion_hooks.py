@@ -283,3 +283,25 @@ def test_receiver_answers_any_delivery_without_a_5xx(hooks_service):
 
     deliver()
     assert sample(metrics, "rlops_hooks_deliveries_total", result="rejected") > 0
+
+
+def test_reconciler_converges_a_canary_set_in_the_registry(stack, test_config, mlflow_client, hooks_service, version):
+    """The canary intent is plain registry state: an alias and a tag set by hand reach the manifest."""
+    cfg, reconciler, metrics, url = hooks_service(webhook_enabled=False, reconcile_interval_s=1)
+    model = cfg.registry.models[0]
+    v1, v2 = version(1), version(2)
+    mlflow_client.set_registered_model_alias(model, "production", str(v1))
+    mlflow_client.set_registered_model_tag(model, "rlops.canary_weight.production", "20")
+    mlflow_client.set_registered_model_alias(model, "production-canary", str(v2))
+
+    def canary():
+        manifest = read_manifest(stack, cfg)
+        found = manifest.canaries.get("production") if manifest else None
+        return (found.version, found.weight) if found else None
+
+    assert wait_for(lambda: canary() == (v2, 20), 15), canary()
+    mlflow_client.set_registered_model_tag(model, "rlops.canary_weight.production", "45")  # a reweight alone
+    assert wait_for(lambda: canary() == (v2, 45), 15), canary()
+    assert operations.status(cfg)["in_sync"]
+    triggers = {(h.event, h.trigger) for h in read_manifest(stack, cfg).history}
+    assert ("canary", "reconciler") in triggers

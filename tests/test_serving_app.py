@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import functools
 import io
 import json
@@ -643,3 +644,169 @@ def test_adapter_that_cannot_be_loaded_is_a_503_with_retry_after(served: ServedA
     error = assert_openai_error(r)
     assert error["code"] == "model_not_available" and "could not be loaded" in error["message"]
     assert f"{served.model}-v" not in r.text.replace(served.name(f"@v{version}"), "") and "s3://" not in r.text
+
+
+def test_canary_splits_by_weight_sticky_per_client_and_flips_without_5xx(served: ServedApp):
+    """production = v1 with a 20% canary of v2: 2000 distinct `user`s split within 3 points of 20%, each
+    exactly as the pure hash says; repeated users, sessions and one API key never see two versions; `@v1`
+    stays v1; reweights and aborts under load give no 5xx."""
+    from registry_hooks import operations
+    from rlops.layout import canary_bucket
+
+    weight, users = 20.0, 2000
+
+    def canary(**kwargs) -> None:
+        with served.lock:
+            report = operations.canary(served.config, served.model, alias="production", trigger="test", **kwargs)
+            assert not report.warnings, report.warnings
+        live = (report.canaries.get("production") or {}).get("version")
+        operations.wait_served(served.url, served.name("@production"), live or 1, canary=live is not None,
+                               timeout_s=30, api_key=API_KEY)
+
+    def ask(http: httpx.Client, model: str, user: str | None = None, headers: dict | None = None):
+        body = {"model": model, "messages": [{"role": "user", "content": "move"}], "max_tokens": 1}
+        if user is not None:
+            body["user"] = user
+        r = http.post(f"{served.url}/v1/chat/completions", json=body, headers=headers)
+        return r.status_code, r.headers.get("x-rlops-model-version")
+
+    served.move_alias("production", 1)
+    canary(version=2, weight=weight)
+    try:
+        http = httpx.Client(headers=served.headers(), timeout=60, limits=httpx.Limits(max_connections=8))
+        # One request per version first: Ray's LLMServer loads an adapter racily (two concurrent first uses
+        # of one adapter: the second fails "already loaded", a 500), which is not what this test measures.
+        assert [ask(http, served.name(f"@v{v}"))[0] for v in (1, 2)] == [200, 200]
+        calls = [(served.name(), f"user-{i}") for i in range(users)]
+        calls += [(served.name(), f"user-{i}") for i in range(200)] + [(served.name("@v1"), f"user-{i}") for i in range(200)]
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda c: ask(http, *c), calls))
+        assert {status for status, _ in answers} == {200}
+        by_user: dict[str, set[str]] = {}
+        for (model, user), (_, version) in zip(calls, answers):
+            if model == served.name():
+                by_user.setdefault(user, set()).add(version)
+        assert all(len(seen) == 1 for seen in by_user.values())  # one user never sees two versions
+        expected = {u: "2" if canary_bucket(served.model, "production", 2, "user:" + u) < weight else "1" for u in by_user}
+        assert {u: seen.pop() for u, seen in by_user.items()} == expected
+        share = sum(v == "2" for v in expected.values()) / users * 100
+        assert abs(share - weight) <= 3, share
+        assert {v for (model, _), (_, v) in zip(calls, answers) if model == served.name("@v1")} == {"1"}
+        sessions = [ask(http, served.name(), headers={"x-rlops-session": f"s-{i % 20}"}) for i in range(60)]
+        assert all(len({v for j, (_, v) in enumerate(sessions) if j % 20 == i}) == 1 for i in range(20))
+        assert len({ask(http, served.name())[1] for _ in range(10)}) == 1  # the API key is the identity
+
+        # Flips under load: reweight, abort, start again, while 6 clients keep asking.
+        results: list[tuple[int, str | None]] = []
+        done = threading.Event()
+
+        def client_loop(n: int) -> None:
+            i = 0
+            while not done.is_set():
+                results.append(ask(http, served.name(), f"load-{n}-{i}"))
+                i += 1
+
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(client_loop, n) for n in range(6)]
+            try:
+                for step in ({"version": 2, "weight": 60.0}, {"abort": True}, {"version": 2, "weight": 5.0},
+                             {"version": 2, "weight": 50.0}):
+                    canary(**step)
+            finally:
+                done.set()
+                for future in futures:
+                    future.result()
+        assert len(results) >= 30 and {status for status, _ in results} == {200}, {s for s, _ in results}
+        assert {v for _, v in results} == {"1", "2"}
+
+        # Per-version metrics carry the canary label, time to first byte and token counts.
+        wanted = ("ray_rlops_serving_requests", "ray_rlops_serving_ttft_ms_count", "ray_rlops_serving_tokens")
+        deadline, lines = time.monotonic() + 40, []
+        while time.monotonic() < deadline:
+            text = httpx.get(f"http://127.0.0.1:{served.config.serving.metrics_port}/metrics", timeout=5).text
+            lines = [line for line in text.splitlines() if 'canary="true"' in line and 'version="2"' in line]
+            if all(any(line.startswith(name) for line in lines) for name in wanted):
+                break
+            time.sleep(2)
+        assert all(any(line.startswith(name) for line in lines) for name in wanted), lines
+        assert any(line.startswith("ray_rlops_serving_tokens") and 'kind="prompt"' in line for line in lines)
+    finally:
+        with contextlib.suppress(operations.NotFound):  # no canary left to drop
+            canary(abort=True)
+        served.move_alias("production", 1)
+
+
+def test_watcher_aborts_a_failing_canary_within_the_window(served: ServedApp, stack):
+    """v3's folder loses its weights after it is published as a 50% canary (a fault of that version only): the
+    SLO watcher sees its errors against the baseline's, aborts it through the registry, tags the version, and
+    records it in the history; no client of the baseline gets an error, and canary clients get v1 again."""
+    from registry_hooks import operations, storage
+    from registry_hooks.sync import Promoter
+    from registry_hooks.watcher import ROLLBACK_TAG, CanaryWatcher
+    from rlops.config import CanarySLO
+    from rlops.layout import canary_bucket, parse_s3_uri, version_folder
+
+    served.move_alias("production", 1)
+    v3 = register_adapter(served.config, served.adapters[2], step=3)
+    config = served.config.model_copy(deep=True)
+    config.registry.canary.slo = CanarySLO(window_s=20, min_requests=10, max_error_rate_increase=0.2,
+                                           metrics_url=f"http://127.0.0.1:{served.config.serving.metrics_port}/metrics")
+    with served.lock:
+        operations.canary(config, served.model, version=v3, weight=50, trigger="test", actor="tester", reason="try v3")
+    location = parse_s3_uri(config.lora_path)
+    stack.s3().delete_object(Bucket=location.bucket, Key=location.key(version_folder(served.model, v3), "adapter_model.safetensors"))
+    operations.wait_served(served.url, served.name("@production"), v3, canary=True, timeout_s=30, api_key=API_KEY)
+
+    users = [f"rb-{i}" for i in range(40)]
+    on_canary = {u for u in users if canary_bucket(served.model, "production", v3, "user:" + u) < 50}
+    assert on_canary and set(users) - on_canary
+    results: list[tuple[float, str, int, str | None]] = []
+    done = threading.Event()
+
+    def client_loop(n: int) -> None:
+        with httpx.Client(headers=served.headers(), timeout=60) as http:
+            i = n
+            while not done.is_set():
+                user = users[i % len(users)]
+                r = http.post(f"{served.url}/v1/chat/completions", json={
+                    "model": served.name(), "user": user, "messages": [{"role": "user", "content": "move"}],
+                    "max_tokens": 1})
+                results.append((time.monotonic(), user, r.status_code, r.headers.get("x-rlops-model-version")))
+                i += 4
+
+    watcher = CanaryWatcher(config)
+    started = time.monotonic()
+    aborted: list[dict] = []
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(client_loop, n) for n in range(4)]
+        try:
+            while not aborted and time.monotonic() - started < 120:
+                aborted = watcher.tick()
+                time.sleep(2)
+            aborted_at = time.monotonic()
+            time.sleep(STALENESS_S + 3)  # served again by the baseline only
+        finally:
+            done.set()
+            for future in futures:
+                future.result()
+    assert aborted and aborted[0]["version"] == v3 and aborted[0]["baseline"] == 1, aborted
+    assert "error rate" in aborted[0]["reason"]
+    failures = [t for t, user, status, _ in results if status != 200]
+    assert failures and all(user in on_canary for _, user, status, _ in results if status != 200)
+    assert {status for _, user, status, _ in results if user not in on_canary} == {200}  # the baseline's clients
+    last_bad = max(failures)
+    assert last_bad - min(failures) < 2 * config.registry.canary.slo.window_s + 10, (min(failures), last_bad, aborted_at)
+    assert {v for t, _, status, v in results if t > aborted_at + STALENESS_S + 1} == {"1"}
+    manifest = storage.read_manifest(Promoter(config).dest, location, served.model)[0]
+    assert manifest.canaries == {}
+    entry = manifest.history[-1]
+    assert (entry.event, entry.version, entry.trigger, entry.actor) == ("canary_aborted", v3, "watcher", "rlops-hooks/watcher")
+    assert "error rate" in entry.reason
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=config.tracking_uri, registry_uri=config.tracking_uri)
+    assert "error rate" in client.get_model_version(served.model, str(v3)).tags[ROLLBACK_TAG]
+    shown = operations.history(config, served.model, alias="production")
+    assert [e["event"] for e in shown][-2:] == ["canary", "canary_aborted"] and shown[-2]["reason"] == "try v3"
+    print(f"\nwatcher: first failure -> last failure {last_bad - min(failures):.1f} s, "
+          f"{len(failures)} failed canary requests, window {config.registry.canary.slo.window_s:g} s")

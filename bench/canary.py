@@ -1,0 +1,141 @@
+"""Cost of a canary in the alias ingress: the same `AliasIngress` app, one model served as a plain alias
+(production -> v1) and one with a 10% canary (production -> v1, canary v2 at 10%), on the echo engine
+(bench/echo_engine.py, as bench/ingress_overhead.py: the engine costs next to nothing, the ingress is what
+differs). Every request names another OpenAI `user` on both sides (the canary side hashes it). Paired
+rounds alternate the two names so that machine noise hits both alike; latency at concurrency 1.
+Goal: throughput >= 0.98x the plain alias, +p50 < 1 ms. figure = canary-alias req/s, baseline = plain alias.
+
+Usage: python bench/canary.py [--requests 1200] [--latency-requests 300] [--rounds 12] [--weight 10]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import record  # noqa: E402
+from ingress_overhead import build_apps, load, percentile  # noqa: E402
+
+from rlops import stack as rlops_stack  # noqa: E402
+from rlops.config import load_config, s3_environment  # noqa: E402
+from rlops.layout import (  # noqa: E402
+    ADAPTER_CONFIG,
+    AliasRoute,
+    CanaryRoute,
+    RoutesManifest,
+    parse_s3_uri,
+    routes_key,
+    version_folder,
+)
+from rlops.processes import free_port  # noqa: E402
+from registry_hooks.storage import stamp_routes  # noqa: E402
+
+PLAIN, CANARY = "bench-plain", "bench-canary"
+
+
+def route(model: str, version: int) -> dict:
+    return {"version": version, "folder": version_folder(model, version), "files": {ADAPTER_CONFIG: "0" * 64},
+            "promoted_at": "2026-01-01T00:00:00.000Z", "trigger": "bench"}
+
+
+def seed_s3(config, weight: float) -> None:
+    s3 = rlops_stack.s3_client(config, timeout_s=10)
+    location = parse_s3_uri(config.lora_path)
+    for model in (PLAIN, CANARY):
+        for version in (1, 2):
+            s3.put_object(Bucket=location.bucket, Key=location.key(version_folder(model, version), ADAPTER_CONFIG),
+                          Body=json.dumps({"peft_type": "LORA", "r": 8}).encode())
+    manifests = [
+        RoutesManifest(model=PLAIN, generation=1, aliases={"production": AliasRoute(**route(PLAIN, 1))}),
+        RoutesManifest(model=CANARY, generation=1, aliases={"production": AliasRoute(**route(CANARY, 1))},
+                       canaries={"production": CanaryRoute(**route(CANARY, 2), weight=weight)}),
+    ]
+    for manifest in manifests:
+        s3.put_object(Bucket=location.bucket, Key=routes_key(location, manifest.model),
+                      Body=manifest.model_dump_json().encode())
+    stamp_routes(s3, location)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=1200, help="throughput requests per side, all rounds")
+    parser.add_argument("--latency-requests", type=int, default=300, help="concurrency-1 requests per side")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--weight", type=float, default=10.0)
+    args = parser.parse_args()
+
+    import ray
+    from ray import serve
+
+    root = Path(tempfile.mkdtemp(prefix="rlops-bench-canary-"))
+    config = load_config(environ={"RLOPS_DATA_DIR": str(root), "RLOPS_SERVER__PORT": str(free_port()),
+                                  "RLOPS_STORAGE__ENDPOINT_URL": f"http://127.0.0.1:{rlops_stack.free_s3_port()}",
+                                  "RLOPS_SERVING__MODEL_SOURCE": str(root / "no-weights-needed"),
+                                  "RLOPS_SERVING__DYNAMIC_LORA_LOADING_PATH": f"s3://rlops/bench-{uuid.uuid4().hex[:8]}",
+                                  "RLOPS_SERVING__REPLICA_CPUS": "0.5",
+                                  "RLOPS_REGISTRY__MODELS": f"[{PLAIN}, {CANARY}]"})
+    rlops_stack.up(config, timeout_s=300)
+    try:
+        seed_s3(config, args.weight)
+        os.environ.update(s3_environment(config))
+        ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        alias_app, _ = build_apps(config)
+        serve.run(alias_app, name="alias", route_prefix="/")
+        url, base = f"http://127.0.0.1:{port}", config.serving.base_model_id
+        sides = {"plain": f"{base}:{PLAIN}", "canary": f"{base}:{CANARY}"}
+        for model in sides.values():  # warm-up: both versions' adapters downloaded, connections open
+            asyncio.run(load(url, model, 80, args.concurrency, users=True))
+        rounds = {side: [] for side in sides}
+        failures = {side: 0 for side in sides}
+        latencies = {side: [] for side in sides}
+        for round_ in range(args.rounds):
+            for side in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):
+                rps, _, failed = asyncio.run(load(url, sides[side], args.requests // args.rounds, args.concurrency,
+                                                  users=True))
+                rounds[side].append(rps)
+                failures[side] += failed
+                _, single, failed = asyncio.run(load(url, sides[side], args.latency_requests // args.rounds, 1,
+                                                     users=True))
+                latencies[side].extend(single)
+                failures[side] += failed
+        split = [httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+            "model": sides["canary"], "user": f"split-{i}", "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 1}).headers.get("x-rlops-model-version") for i in range(400)]
+    finally:
+        try:
+            serve.shutdown()
+            ray.shutdown()
+        finally:
+            rlops_stack.down(config)
+            shutil.rmtree(root, ignore_errors=True)
+
+    canary_rps, plain_rps = statistics.median(rounds["canary"]), statistics.median(rounds["plain"])
+    ratio = statistics.median(c / p for c, p in zip(rounds["canary"], rounds["plain"]))
+    p50 = {side: percentile(values, 50) for side, values in latencies.items()}
+    for side in sides:
+        print(f"{side} alias: {statistics.median(rounds[side]):7.1f} req/s at concurrency {args.concurrency}; "
+              f"p50 {p50[side]:6.2f} ms at concurrency 1; non-200 {failures[side]}")
+    print(f"throughput ratio canary/plain = {ratio:.3f}x, median of {args.rounds} paired rounds (goal >= 0.98x); "
+          f"+p50 = {p50['canary'] - p50['plain']:+.2f} ms (goal < 1 ms); "
+          f"{split.count('2') / len(split):.1%} of 400 users on the canary (weight {args.weight:g}%)")
+    record(Path(__file__).name, canary_rps, "req/s (ratio = median of paired rounds)", plain_rps, ratio,
+           f">= 0.98x the plain alias's throughput with a {args.weight:g}% canary (same app, echo engine)")
+    record(f"{Path(__file__).name}:p50", p50["canary"], "ms p50 at concurrency 1", p50["plain"],
+           p50["canary"] / p50["plain"], "a canary adds < 1 ms to the plain alias's p50")
+
+
+if __name__ == "__main__":
+    main()
