@@ -20,16 +20,15 @@ import numbers
 from pathlib import Path
 from typing import Any, Mapping
 
-from tracker import compat  # noqa: F401  (must precede the SkyRL imports on Python 3.11)
-from skyrl.train.entrypoints.main_base import BasePPOExp  # noqa: E402
-from skyrl.train.trainer import RayPPOTrainer  # noqa: E402
-from skyrl.train.utils.callbacks import TrainingCallback  # noqa: E402
-from skyrl.train.utils.tracking import Tracking, _compute_mlflow_params_from_objects  # noqa: E402
+from skyrl.train.entrypoints.main_base import BasePPOExp
+from skyrl.train.trainer import RayPPOTrainer
+from skyrl.train.utils.callbacks import TrainingCallback
+from skyrl.train.utils.tracking import Tracking, _compute_mlflow_params_from_objects
 
-from rlops.config import Config  # noqa: E402
-from rlops.layout import ADAPTER_CONFIG  # noqa: E402
-from tracker import state as tracker_state  # noqa: E402
-from tracker.session import RunSession  # noqa: E402
+from rlops.config import Config
+from rlops.layout import ADAPTER_CONFIG
+from tracker import state as tracker_state
+from tracker.session import RunSession
 
 log = logging.getLogger(__name__)
 

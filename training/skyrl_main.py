@@ -79,7 +79,6 @@ def runtime_env(config: Config, environ: Mapping[str, str] | None = None) -> dic
 
 def build_skyrl_config(overrides: Sequence[str]):
     """Parse and validate the overrides with SkyRL's own config classes (raises on an unknown key)."""
-    from tracker import compat  # noqa: F401  (before SkyRL on Python 3.11)
     from skyrl.train.config import SkyRLTrainConfig
     from skyrl.train.utils import validate_cfg
 
