@@ -15,8 +15,10 @@ Importing this module imports SkyRL; the rest of `tracker/` never does.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import numbers
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 LORA_ADAPTER_DIR = Path("policy") / "lora_adapter"  # inside `global_step_N/`
 EVAL_PREFIX = "eval/"
+BLOCKING_METRIC = "tracker/blocking_s"
 
 
 def numeric(payload: Mapping[str, Any]) -> dict[str, float]:
@@ -96,8 +99,22 @@ def make_tracking(cfg: Any, session: RunSession) -> Tracking:
     return tracking
 
 
+def blocking(hook):
+    """Adds the hook's wall time to `self.blocking_s`: what the tracker costs SkyRL's training loop."""
+    @functools.wraps(hook)
+    def timed(self, *args, **kwargs):
+        self.entered = time.perf_counter()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            self.blocking_s += time.perf_counter() - self.entered
+    return timed
+
+
 class TrackerCallback(TrainingCallback):
-    """Feeds SkyRL's training events into a RunSession (metric names: SkyRL's, `@` -> `_at_`)."""
+    """Feeds SkyRL's training events into a RunSession (metric names: SkyRL's, `@` -> `_at_`). Each step
+    also logs BLOCKING_METRIC: seconds the loop spent in these hooks since the previous step's log (the
+    last log call of a step counts in the next one)."""
 
     def __init__(self, session: RunSession, *, register_best: bool = True, eval_data_source: str | None = None):
         if not isinstance(session, RunSession):
@@ -105,21 +122,30 @@ class TrackerCallback(TrainingCallback):
         self.session = session
         self.register_best = register_best
         self.eval_data_source = eval_data_source
+        self.blocking_s = 0.0
+        self.entered = 0.0
 
+    @blocking
     def on_train_start(self, trainer, callback_input, control) -> None:
         self.session.log_metrics({"trainer/start_step": callback_input.global_step}, step=callback_input.global_step)
 
+    @blocking
     def on_log(self, trainer, callback_input, control) -> None:
         # eval/* keys are in this payload too; on_eval_end already logged them, linked to the checkpoint
         metrics = {k: v for k, v in numeric(callback_input.logs or {}).items() if not k.startswith(EVAL_PREFIX)}
         if metrics:
+            so_far = time.perf_counter() - self.entered
+            metrics[BLOCKING_METRIC] = self.blocking_s + so_far
+            self.blocking_s = -so_far  # counted now; the rest of this hook (the log call) goes to the next step
             self.session.log_metrics(metrics, step=callback_input.global_step)
 
+    @blocking
     def on_eval_end(self, trainer, callback_input, control) -> None:
         metrics = numeric(callback_input.metrics or {})
         if metrics:
             self.session.log_eval_metrics(metrics, step=callback_input.global_step)
 
+    @blocking
     def on_save(self, trainer, callback_input, control) -> None:
         log_adapter(self.session, callback_input.ckpt_path, callback_input.global_step)
 

@@ -153,6 +153,18 @@ def router_args_pd_flag(router_args: types.ModuleType) -> None:
         router_args.RouterArgs.pd_disaggregation = False
 
 
+def filter_prompts_in_process(dataset_module: types.ModuleType) -> None:
+    """BasePPOExp builds its datasets with `num_workers=8`: 8 spawned processes filter the prompts by length,
+    minutes on a machine of 2 cores for a handful of rows. CPU mode filters in the worker itself."""
+    prompt_dataset = dataset_module.PromptDataset
+    init = prompt_dataset.__init__
+
+    def in_process(self, *args, num_workers: int = 1, **kwargs):
+        init(self, *args, num_workers=1, **kwargs)
+
+    prompt_dataset.__init__ = in_process
+
+
 @dataclass(frozen=True)
 class Mapping:
     name: str
@@ -195,6 +207,11 @@ MAPPINGS = (
         Seam("train/trainer.py", 845, "self.dispatch.init_weight_sync_state(self.inference_engine_client)"),
         Seam("backends/skyrl_train/weight_sync/broadcast_strategy.py", 251, "NCCLWeightTransferEngine.trainer_init(")),
         after_import="skyrl.train.trainer"),
+    Mapping("dataset filtering in process", filter_prompts_in_process, (
+        Seam("train/entrypoints/main_base.py", 82, "num_workers=8,"),
+        Seam("train/entrypoints/main_base.py", 101, "num_workers=8,"),
+        Seam("train/dataset/dataset.py", 68, "if self.num_workers > 1:")),
+        after_import="skyrl.train.dataset.dataset"),
     Mapping("vllm 0.23 -> 0.29: entrypoints.openai.cli_args", alias_vllm_cli_args, (
         Seam(I + "utils.py", 63, "from vllm.entrypoints.openai.cli_args import FrontendArgs"),
         Seam(I + "vllm_server_actor.py", 528, "from vllm.entrypoints.openai.cli_args import FrontendArgs")),
@@ -277,9 +294,10 @@ def gpu_slots_per_node(cfg: Any) -> int:
                placement.ref_num_gpus_per_node, engine.tensor_parallel_size)
 
 
-def start_ray(cfg: Any, *, address: str | None = None) -> None:
-    """`skyrl.train.utils.utils.initialize_ray` for CPU mode: SkyRL's runtime env plus the setup hook, and
-    logical GPUs when this starts a local Ray (a cluster's head declares its own: `ray start --num-gpus`)."""
+def start_ray(cfg: Any, *, local: bool) -> None:
+    """`skyrl.train.utils.utils.initialize_ray` for CPU mode: SkyRL's runtime env plus the setup hook. `local`
+    starts a Ray here with logical GPUs; otherwise it joins the cluster of RAY_ADDRESS, whose nodes declare
+    their own (`ray start --num-gpus=N`)."""
     import ray
     from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
     from skyrl.train.utils.utils import prepare_runtime_environment
@@ -290,9 +308,12 @@ def start_ray(cfg: Any, *, address: str | None = None) -> None:
                          "and generator.inference_engine.tensor_parallel_size=1")
     env_vars = {**prepare_runtime_environment(cfg), **WORKER_ENV}
     runtime_env = {"env_vars": env_vars, "worker_process_setup_hook": SETUP_HOOK}
-    if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+    if local:
+        # no prestarted idle workers: each would run the setup hook on a machine of a few cores
+        ray.init(address="local", num_cpus=LOGICAL_CPUS, num_gpus=LOGICAL_GPUS, runtime_env=runtime_env,
+                 log_to_driver=True, include_dashboard=False,
+                 _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False,
+                                 "agent_register_timeout_ms": 120_000})
     else:
-        ray.init(num_cpus=LOGICAL_CPUS, num_gpus=LOGICAL_GPUS, runtime_env=runtime_env, log_to_driver=True,
-                 include_dashboard=False)
+        ray.init(runtime_env=runtime_env, log_to_driver=True)
     sync_registries()

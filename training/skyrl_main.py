@@ -87,13 +87,15 @@ def build_skyrl_config(overrides: Sequence[str]):
     return cfg
 
 
-def run_experiment(cfg, config: Config) -> None:
-    """Inside the Ray task: register the env, then run the tracked experiment."""
+def run_experiment(cfg, config: Config) -> dict[str, str]:
+    """Inside the Ray task: register the env, then run the tracked experiment; returns its MLflow run."""
     from tracker.skyrl import TrackedPPOExp
     from training.skyrl_env import register_visgym_env
 
     register_visgym_env()
-    TrackedPPOExp(cfg, config, eval_data_source=config.training.eval_data_source).run()
+    exp = TrackedPPOExp(cfg, config, eval_data_source=config.training.eval_data_source)
+    exp.run()
+    return {"run_id": exp.session.run_id, "experiment_id": exp.session.experiment_id}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
