@@ -309,11 +309,19 @@ def start_ray(cfg: Any, *, local: bool) -> None:
     env_vars = {**prepare_runtime_environment(cfg), **WORKER_ENV}
     runtime_env = {"env_vars": env_vars, "worker_process_setup_hook": SETUP_HOOK}
     if local:
-        # no prestarted idle workers: each would run the setup hook on a machine of a few cores
-        ray.init(address="local", num_cpus=LOGICAL_CPUS, num_gpus=LOGICAL_GPUS, runtime_env=runtime_env,
-                 log_to_driver=True, include_dashboard=False,
-                 _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False,
-                                 "agent_register_timeout_ms": 120_000})
+        for attempt in (1, 2):
+            try:
+                # no prestarted idle workers: each would run the setup hook on a machine of a few cores
+                ray.init(address="local", num_cpus=LOGICAL_CPUS, num_gpus=LOGICAL_GPUS, runtime_env=runtime_env,
+                         log_to_driver=True, include_dashboard=False,
+                         _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False})
+                break
+            except Exception as exc:  # Ray raises a bare Exception when its raylet dies at startup
+                # the raylet waits 15 s for its metrics agent: a loaded machine of 2 cores misses that at times
+                if attempt == 2 or "timed out during startup" not in str(exc):
+                    raise
+                log.warning("local Ray did not start (%s); trying once more", exc)
+                ray.shutdown()
     else:
         ray.init(runtime_env=runtime_env, log_to_driver=True)
     sync_registries()
