@@ -52,7 +52,8 @@ class Seam:
         return None if self.text in found else f"skyrl/{self.path}:{self.line}: expected {self.text!r}, found {found!r}"
 
 
-W, D, I = "backends/skyrl_train/workers/", "backends/skyrl_train/distributed/", "backends/skyrl_train/inference_servers/"
+WORKERS, DIST = "backends/skyrl_train/workers/", "backends/skyrl_train/distributed/"
+SERVERS = "backends/skyrl_train/inference_servers/"
 
 
 # --- the mappings -------------------------------------------------------------------------------------
@@ -175,32 +176,32 @@ class Mapping:
 
 MAPPINGS = (
     Mapping("cuda calls -> cpu", map_cuda_calls, (
-        Seam(W + "worker.py", 844, "experience.to_device(torch.cuda.current_device())"),
-        Seam(W + "worker.py", 1111, "experience.to_device(torch.cuda.current_device())"),
-        Seam(W + "worker.py", 1191, "device = torch.cuda.current_device()"),
-        Seam(D + "strategy.py", 84, "data = data.to(torch.cuda.current_device())"),
-        Seam(D + "fsdp_utils.py", 52, "x.to_empty(device=torch.cuda.current_device()"),
-        Seam(D + "fsdp_utils.py", 83, "device = torch.cuda.current_device()"),
-        Seam(D + "fsdp_utils.py", 249, "total_norm.to(torch.cuda.current_device()"),
-        Seam(D + "fsdp_strategy.py", 106, "torch.cuda.set_device(local_rank)"),
-        Seam(D + "fsdp_strategy.py", 129, "torch.cuda.synchronize()"),
-        Seam(D + "fsdp_strategy.py", 141, "load_fsdp_optimizer(optimizer, torch.cuda.current_device())"),
-        Seam(W + "fsdp/fsdp_worker.py", 127, "device = torch.cuda.current_device()"))),
+        Seam(WORKERS + "worker.py", 844, "experience.to_device(torch.cuda.current_device())"),
+        Seam(WORKERS + "worker.py", 1111, "experience.to_device(torch.cuda.current_device())"),
+        Seam(WORKERS + "worker.py", 1191, "device = torch.cuda.current_device()"),
+        Seam(DIST + "strategy.py", 84, "data = data.to(torch.cuda.current_device())"),
+        Seam(DIST + "fsdp_utils.py", 52, "x.to_empty(device=torch.cuda.current_device()"),
+        Seam(DIST + "fsdp_utils.py", 83, "device = torch.cuda.current_device()"),
+        Seam(DIST + "fsdp_utils.py", 249, "total_norm.to(torch.cuda.current_device()"),
+        Seam(DIST + "fsdp_strategy.py", 106, "torch.cuda.set_device(local_rank)"),
+        Seam(DIST + "fsdp_strategy.py", 129, "torch.cuda.synchronize()"),
+        Seam(DIST + "fsdp_strategy.py", 141, "load_fsdp_optimizer(optimizer, torch.cuda.current_device())"),
+        Seam(WORKERS + "fsdp/fsdp_worker.py", 127, "device = torch.cuda.current_device()"))),
     Mapping("nccl -> gloo, cuda mesh -> cpu", map_process_group, (
-        Seam(W + "worker.py", 122, 'backend="cpu:gloo,cuda:nccl"'),
-        Seam(W + "worker.py", 131, "torch.distributed.device_mesh.init_device_mesh("),
-        Seam(W + "worker.py", 132, '"cuda", mesh_shape=(dp_size'),
-        Seam(D + "fsdp_utils.py", 28, "from torch.distributed.device_mesh import init_device_mesh"),
-        Seam(D + "fsdp_utils.py", 256, 'init_device_mesh("cuda"'),
-        Seam(D + "fsdp_utils.py", 259, '"cuda", mesh_shape=(world_size // fsdp_size'))),
+        Seam(WORKERS + "worker.py", 122, 'backend="cpu:gloo,cuda:nccl"'),
+        Seam(WORKERS + "worker.py", 131, "torch.distributed.device_mesh.init_device_mesh("),
+        Seam(WORKERS + "worker.py", 132, '"cuda", mesh_shape=(dp_size'),
+        Seam(DIST + "fsdp_utils.py", 28, "from torch.distributed.device_mesh import init_device_mesh"),
+        Seam(DIST + "fsdp_utils.py", 256, 'init_device_mesh("cuda"'),
+        Seam(DIST + "fsdp_utils.py", 259, '"cuda", mesh_shape=(world_size // fsdp_size'))),
     Mapping("non-persistent buffers broadcast on cpu", sync_buffers_on_cpu, (
-        Seam(D + "fsdp_utils.py", 111, "def _sync_non_persistent_buffers(model: torch.nn.Module, loaded_sd: dict):"),
-        Seam(D + "fsdp_utils.py", 125, "src = buf.detach().cuda()"),
-        Seam(D + "fsdp_utils.py", 127, 'src = torch.empty(buf.shape, dtype=buf.dtype, device="cuda")')),
+        Seam(DIST + "fsdp_utils.py", 111, "def _sync_non_persistent_buffers(model: torch.nn.Module, loaded_sd: dict):"),
+        Seam(DIST + "fsdp_utils.py", 125, "src = buf.detach().cuda()"),
+        Seam(DIST + "fsdp_utils.py", 127, 'src = torch.empty(buf.shape, dtype=buf.dtype, device="cuda")')),
         after_import="skyrl.backends.skyrl_train.distributed.fsdp_utils"),
     Mapping("flash_attn import stub", stub_flash_attn, (
-        Seam(W + "model_wrapper.py", 12, "from flash_attn.bert_padding import pad_input, unpad_input"),
-        Seam(W + "model_wrapper.py", 278, "if self.remove_microbatch_padding:"))),
+        Seam(WORKERS + "model_wrapper.py", 12, "from flash_attn.bert_padding import pad_input, unpad_input"),
+        Seam(WORKERS + "model_wrapper.py", 278, "if self.remove_microbatch_padding:"))),
     Mapping("no NCCL weight-sync group for disk LoRA sync", lora_sync_without_nccl_group, (
         Seam("train/trainer.py", 278, "self.init_weight_sync_state()"),
         Seam("train/trainer.py", 841, "def init_weight_sync_state(self):"),
@@ -213,15 +214,15 @@ MAPPINGS = (
         Seam("train/dataset/dataset.py", 68, "if self.num_workers > 1:")),
         after_import="skyrl.train.dataset.dataset"),
     Mapping("vllm 0.23 -> 0.29: entrypoints.openai.cli_args", alias_vllm_cli_args, (
-        Seam(I + "utils.py", 63, "from vllm.entrypoints.openai.cli_args import FrontendArgs"),
-        Seam(I + "vllm_server_actor.py", 528, "from vllm.entrypoints.openai.cli_args import FrontendArgs")),
+        Seam(SERVERS + "utils.py", 63, "from vllm.entrypoints.openai.cli_args import FrontendArgs"),
+        Seam(SERVERS + "vllm_server_actor.py", 528, "from vllm.entrypoints.openai.cli_args import FrontendArgs")),
         after_import="vllm.entrypoints.openai"),
     Mapping("vllm 0.23 -> 0.29: create_server_socket(reuse_port)", default_reuse_port, (
-        Seam(I + "vllm_server_actor.py", 21, "create_server_socket,"),
-        Seam(I + "vllm_server_actor.py", 473, "sock = create_server_socket(sock_addr)")),
+        Seam(SERVERS + "vllm_server_actor.py", 21, "create_server_socket,"),
+        Seam(SERVERS + "vllm_server_actor.py", 473, "sock = create_server_socket(sock_addr)")),
         after_import="vllm.entrypoints.openai.api_server"),
     Mapping("vllm-router 0.1.17: RouterArgs.pd_disaggregation", router_args_pd_flag, (
-        Seam(I + "vllm_router.py", 127, "self._router_args.pd_disaggregation"),),
+        Seam(SERVERS + "vllm_router.py", 127, "self._router_args.pd_disaggregation"),),
         after_import="vllm_router.router_args"),
 )
 
@@ -309,7 +310,7 @@ def start_ray(cfg: Any, *, local: bool) -> None:
     env_vars = {**prepare_runtime_environment(cfg), **WORKER_ENV}
     runtime_env = {"env_vars": env_vars, "worker_process_setup_hook": SETUP_HOOK}
     if local:
-        for attempt in (1, 2):
+        for attempt in (1, 2, 3):
             try:
                 # no prestarted idle workers: each would run the setup hook on a machine of a few cores
                 ray.init(address="local", num_cpus=LOGICAL_CPUS, num_gpus=LOGICAL_GPUS, runtime_env=runtime_env,
@@ -317,10 +318,11 @@ def start_ray(cfg: Any, *, local: bool) -> None:
                          _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False})
                 break
             except Exception as exc:  # Ray raises a bare Exception when its raylet dies at startup
-                # the raylet waits 15 s for its metrics agent: a loaded machine of 2 cores misses that at times
-                if attempt == 2 or "timed out during startup" not in str(exc):
+                # the raylet waits 15 s for its metrics agent and the driver 30 s for the raylet: a loaded
+                # machine of 2 cores misses that at times
+                if attempt == 3 or "timed out during startup" not in str(exc):
                     raise
-                log.warning("local Ray did not start (%s); trying once more", exc)
+                log.warning("local Ray did not start (%s); trying again", exc)
                 ray.shutdown()
     else:
         ray.init(runtime_env=runtime_env, log_to_driver=True)
