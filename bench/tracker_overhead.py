@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _results import record  # noqa: E402
 from _scratch import scratch_stack  # noqa: E402
 
-import tracker.skyrl as skyrl_tracker  # noqa: E402  (imports tracker.compat before SkyRL)
+import tracker.skyrl as skyrl_tracker  # noqa: E402
 from skyrl.train.utils.callbacks import CallbackInput  # noqa: E402
 from skyrl.train.utils.tracking import Tracking  # noqa: E402
 

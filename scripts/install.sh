@@ -56,6 +56,10 @@ if [ "$EXTRAS" = dev ] || [ "$EXTRAS" = serve ]; then
     SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     cp scripts/torchvision_cpu.py "$SITE/_rlops_torchvision_cpu.py"
     echo "import _rlops_torchvision_cpu" >"$SITE/_rlops_torchvision_cpu.pth"
+    # skyrl 0.3.0 on Python 3.11: typing_extensions' TypedDict for skyrl.tinker.types only (scripts/skyrl_py311.py),
+    # in every process of the venv, vLLM's spawned engine worker included.
+    cp scripts/skyrl_py311.py "$SITE/_rlops_skyrl_py311.py"
+    echo "import _rlops_skyrl_py311" >"$SITE/_rlops_skyrl_py311.pth"
 fi
 phase guard "$VENV/bin/python" - "$EXTRAS" <<'PY'
 import importlib.util, sys

@@ -6,28 +6,17 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import threading
-import typing
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import typing_extensions
 import yaml
 
-# SkyRL on Python 3.11 needs TypedDict from typing_extensions (pydantic rejects typing's); see tracker/compat.
-if sys.version_info < (3, 12):
-    # transformers' processor kwargs must stay typing.TypedDicts: huggingface_hub's strict dataclasses
-    # reject typing_extensions ones ("TypedDict does not support instance and class checks").
-    import transformers.processing_utils  # noqa: F401
-
-    typing.TypedDict = typing_extensions.TypedDict  # type: ignore[misc]
-
-from rlops import stack as rlops_stack  # noqa: E402
-from rlops.config import Config, load_config, s3_environment  # noqa: E402
-from rlops.processes import free_port  # noqa: E402
+from rlops import stack as rlops_stack
+from rlops.config import Config, load_config, s3_environment
+from rlops.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

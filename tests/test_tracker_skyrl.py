@@ -12,7 +12,7 @@ from test_tracker_support import make_peft_adapter, metric_history
 from tracker import RunSession
 from tracker.checkpoints import TAG_STEP
 
-skyrl_tracker = pytest.importorskip("tracker.skyrl")  # imports tracker.compat before SkyRL
+skyrl_tracker = pytest.importorskip("tracker.skyrl")
 
 import torch  # noqa: E402
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch  # noqa: E402

@@ -15,27 +15,29 @@ Importing this module imports SkyRL; the rest of `tracker/` never does.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import numbers
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from tracker import compat  # noqa: F401  (must precede the SkyRL imports on Python 3.11)
-from skyrl.train.entrypoints.main_base import BasePPOExp  # noqa: E402
-from skyrl.train.trainer import RayPPOTrainer  # noqa: E402
-from skyrl.train.utils.callbacks import TrainingCallback  # noqa: E402
-from skyrl.train.utils.tracking import Tracking, _compute_mlflow_params_from_objects  # noqa: E402
+from skyrl.train.entrypoints.main_base import BasePPOExp
+from skyrl.train.trainer import RayPPOTrainer
+from skyrl.train.utils.callbacks import TrainingCallback
+from skyrl.train.utils.tracking import Tracking, _compute_mlflow_params_from_objects
 
-from rlops.config import Config  # noqa: E402
-from rlops.layout import ADAPTER_CONFIG, TAG_BASE_MODEL, TAG_LORA_RANK  # noqa: E402
-from tracker import state as tracker_state  # noqa: E402
-from tracker.session import RunSession  # noqa: E402
+from rlops.config import Config
+from rlops.layout import ADAPTER_CONFIG, TAG_BASE_MODEL, TAG_LORA_RANK
+from tracker import state as tracker_state
+from tracker.session import RunSession
 
 log = logging.getLogger(__name__)
 
 LORA_ADAPTER_DIR = Path("policy") / "lora_adapter"  # inside `global_step_N/`
 EVAL_PREFIX = "eval/"
+BLOCKING_METRIC = "tracker/blocking_s"
 
 
 def numeric(payload: Mapping[str, Any]) -> dict[str, float]:
@@ -99,8 +101,22 @@ def make_tracking(cfg: Any, session: RunSession) -> Tracking:
     return tracking
 
 
+def blocking(hook):
+    """Adds the hook's wall time to `self.blocking_s`: what the tracker costs SkyRL's training loop."""
+    @functools.wraps(hook)
+    def timed(self, *args, **kwargs):
+        self.entered = time.perf_counter()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            self.blocking_s += time.perf_counter() - self.entered
+    return timed
+
+
 class TrackerCallback(TrainingCallback):
-    """Feeds SkyRL's training events into a RunSession (metric names: SkyRL's, `@` -> `_at_`)."""
+    """Feeds SkyRL's training events into a RunSession (metric names: SkyRL's, `@` -> `_at_`). Each step
+    also logs BLOCKING_METRIC: seconds the loop spent in these hooks since the previous step's log (the
+    last log call of a step counts in the next one)."""
 
     def __init__(self, session: RunSession, *, register_best: bool = True, eval_data_source: str | None = None):
         if not isinstance(session, RunSession):
@@ -109,25 +125,37 @@ class TrackerCallback(TrainingCallback):
         self.register_best = register_best
         self.eval_data_source = eval_data_source
         self._eval_step: int | None = None  # the step of the last on_eval_end
+        self.blocking_s = 0.0
+        self.entered = 0.0
 
+    @blocking
     def on_train_start(self, trainer, callback_input, control) -> None:
         self.session.log_metrics({"trainer/start_step": callback_input.global_step}, step=callback_input.global_step)
 
+    @blocking
     def on_log(self, trainer, callback_input, control) -> None:
         logs, step = callback_input.logs, callback_input.global_step
+        # the hooks' time since the previous step's log; the rest of this hook (the log call) counts next
+        so_far = time.perf_counter() - self.entered
+        blocking_s = self.blocking_s + so_far
         if logs and step != self._eval_step:
             # the training thread's hot path: outside an eval step a payload holds no eval/* keys, so it
             # goes over as it is (the session checks every value at C speed; no Python loop here)
             try:
-                return self.session.log_metrics(logs, step)
+                self.session.log_metrics({**logs, BLOCKING_METRIC: blocking_s}, step)
+                self.blocking_s = -so_far
+                return
             except Exception:  # noqa: BLE001 - a string, list or tensor value: filtered below (the rest re-raise)
                 pass
         logs = logs or {}
         # eval/* keys are in this payload too; on_eval_end already logged them, linked to the checkpoint
         metrics = {k: v for k, v in numeric(logs).items() if not k.startswith(EVAL_PREFIX)}
         if metrics:
+            metrics[BLOCKING_METRIC] = blocking_s
+            self.blocking_s = -so_far
             self.session.log_metrics(metrics, step=step)
 
+    @blocking
     def on_eval_end(self, trainer, callback_input, control) -> None:
         self._eval_step = callback_input.global_step
         metrics = numeric(callback_input.metrics or {})
@@ -138,6 +166,7 @@ class TrackerCallback(TrainingCallback):
         for data_source, rows in dumped_eval_rows(trainer.cfg.trainer.export_path, step).items():
             self.session.log_eval_table(data_source, rows, step)
 
+    @blocking
     def on_save(self, trainer, callback_input, control) -> None:
         log_adapter(self.session, callback_input.ckpt_path, callback_input.global_step)
 

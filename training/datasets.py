@@ -182,7 +182,7 @@ class DatasetSpec:
     heldout_count: int = 256
 
 
-def _write_parquet(rows: list[dict], path: Path) -> None:
+def write_parquet(rows: list[dict], path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -210,7 +210,7 @@ def build_datasets(root: Path, spec: DatasetSpec = DatasetSpec()) -> dict:
         "local_heldout": (paths.local_heldout, [local_row(m, heldout.data_source) for m in heldout.mazes()]),
     }
     for path, rows in sets.values():
-        _write_parquet(rows, path)
+        write_parquet(rows, path)
     manifest = {
         "files": {name: {"path": str(path.relative_to(paths.root)), "rows": len(rows)}
                   for name, (path, rows) in sets.items()},

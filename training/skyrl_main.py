@@ -80,7 +80,6 @@ def runtime_env(config: Config, environ: Mapping[str, str] | None = None) -> dic
 
 def build_skyrl_config(overrides: Sequence[str]):
     """Parse and validate the overrides with SkyRL's own config classes (raises on an unknown key)."""
-    from tracker import compat  # noqa: F401  (before SkyRL on Python 3.11)
     from skyrl.train.config import SkyRLTrainConfig
     from skyrl.train.utils import validate_cfg
 
@@ -89,13 +88,15 @@ def build_skyrl_config(overrides: Sequence[str]):
     return cfg
 
 
-def run_experiment(cfg, config: Config) -> None:
-    """Inside the Ray task: register the env, then run the tracked experiment."""
+def run_experiment(cfg, config: Config) -> dict[str, str]:
+    """Inside the Ray task: register the env, then run the tracked experiment; returns its MLflow run."""
     from tracker.skyrl import TrackedPPOExp
     from training.skyrl_env import register_visgym_env
 
     register_visgym_env()
-    TrackedPPOExp(cfg, config, eval_data_source=config.training.eval_data_source).run()
+    exp = TrackedPPOExp(cfg, config, eval_data_source=config.training.eval_data_source)
+    exp.run()
+    return {"run_id": exp.session.run_id, "experiment_id": exp.session.experiment_id}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

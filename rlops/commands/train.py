@@ -1,4 +1,5 @@
-"""`rlops base build` and `rlops train --local`: the local CPU trainer (training.local_trainer)."""
+"""`rlops base build`, `rlops train --local` (the local CPU trainer, training.local_trainer) and
+`rlops train --skyrl-dry-run` (the production SkyRL recipe shrunk to minutes on CPU, training.skyrl_dry_run)."""
 from __future__ import annotations
 
 import json
@@ -31,7 +32,11 @@ def base_build(obj: CliContext) -> None:
 
 @click.command("train")
 @click.option("--local", "local", is_flag=True, help="Train on this machine (TRL GRPO + LoRA on CPU).")
-@click.option("--steps", type=click.IntRange(1, 1_000_000), default=None, help="GRPO steps (default: training.local.steps).")
+@click.option("--skyrl-dry-run", "dry_run", is_flag=True,
+              help="Run the production SkyRL recipe (mlflow.yaml) for a few steps on this machine's CPU with the "
+              "tiny Qwen3-VL and the real tracker; says what only the GPU job checks.")
+@click.option("--steps", type=click.IntRange(1, 1_000_000), default=None,
+              help="GRPO steps (default: training.local.steps; --skyrl-dry-run: 3).")
 @click.option("--budget", "budget_s", type=click.FloatRange(min=1.0), default=None,
               help="Time budget in seconds for GRPO (default: training.local.budget_s).")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
@@ -45,9 +50,13 @@ def base_build(obj: CliContext) -> None:
 @click.option("--fast", is_flag=True, help="Skip SFT: random-init tiny base (smoke tests).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @pass_ctx
-def train(obj: CliContext, local: bool, steps: int | None, budget_s: float | None, run_dir: str | None,
-          resume: bool | None, run_name: str | None, fast: bool, as_json: bool) -> None:
+def train(obj: CliContext, local: bool, dry_run: bool, steps: int | None, budget_s: float | None,
+          run_dir: str | None, resume: bool | None, run_name: str | None, fast: bool, as_json: bool) -> None:
     """Train a LoRA adapter with GRPO on the maze task and register the best checkpoint (alias `candidate`)."""
+    if dry_run:
+        if local:
+            raise click.UsageError("--local and --skyrl-dry-run are two different trainers: pick one")
+        return skyrl_dry_run(obj, steps, run_dir, as_json)
     if not local:
         raise click.ClickException(
             "the production job runs on a Ray cluster: submit it with `bash training/train_job.sh` "
@@ -80,3 +89,18 @@ def train(obj: CliContext, local: bool, steps: int | None, budget_s: float | Non
     pending = ("(none: no checkpoint was evaluated, or the registration waits for pending uploads: "
                f"`rlops runs status {folder}`)")
     click.echo(f"registered version: {result.registered_version or pending}")
+
+
+def skyrl_dry_run(obj: CliContext, steps: int | None, run_dir: str | None, as_json: bool) -> None:
+    from training.skyrl_dry_run import DEFAULT_STEPS, run_dry_run
+
+    folder = Path(run_dir) if run_dir else obj.config.data_path / "skyrl-dry-run" / time.strftime("%Y%m%d-%H%M%S")
+    result = run_dry_run(obj.config, folder, steps=steps or DEFAULT_STEPS, log=click.echo)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    click.echo(f"SkyRL dry run: {result.steps} GRPO steps in {result.seconds:.0f} s; folder {result.folder}")
+    click.echo(f"MLflow run:  {result.run_url}")
+    click.echo("  metrics: reward/*, policy/*, generate/*, environment/*, timing/*; eval/<data_source>/*; "
+               "LoggedModels with sha256 tags per checkpoint and HF export")
+    click.echo("checked on GPU only: " + "; ".join(result.checked_on_gpu_only))
