@@ -18,7 +18,6 @@ import asyncio
 import base64
 import hashlib
 import io
-import json
 import os
 import statistics
 import sys
