@@ -24,7 +24,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import record  # noqa: E402
-from ingress_overhead import build_apps, load, percentile  # noqa: E402
+from ingress_overhead import build_apps, load, paired_rounds, percentile  # noqa: E402
 
 from rlops import stack as rlops_stack  # noqa: E402
 from rlops.config import load_config, s3_environment  # noqa: E402
@@ -98,19 +98,9 @@ def main() -> None:
         sides = {"plain": f"{base}:{PLAIN}", "canary": f"{base}:{CANARY}"}
         for model in sides.values():  # warm-up: both versions' adapters downloaded, connections open
             asyncio.run(load(url, model, 80, args.concurrency, users=True))
-        rounds = {side: [] for side in sides}
-        failures = {side: 0 for side in sides}
-        latencies = {side: [] for side in sides}
-        for round_ in range(args.rounds):
-            for side in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):
-                rps, _, failed = asyncio.run(load(url, sides[side], args.requests // args.rounds, args.concurrency,
-                                                  users=True))
-                rounds[side].append(rps)
-                failures[side] += failed
-                _, single, failed = asyncio.run(load(url, sides[side], args.latency_requests // args.rounds, 1,
-                                                     users=True))
-                latencies[side].extend(single)
-                failures[side] += failed
+        rounds, latencies, failures = paired_rounds({side: (url, model) for side, model in sides.items()},
+                                                    args.rounds, args.requests, args.latency_requests,
+                                                    args.concurrency, users=True)
         split = [httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
             "model": sides["canary"], "user": f"split-{i}", "messages": [{"role": "user", "content": "x"}],
             "max_tokens": 1}).headers.get("x-rlops-model-version") for i in range(400)]

@@ -102,6 +102,25 @@ async def load(url: str, model: str, requests: int, concurrency: int, *,
     return requests / elapsed, latencies, failures
 
 
+def paired_rounds(sides: dict[str, tuple[str, str]], rounds: int, requests: int, latency_requests: int,
+                  concurrency: int, **load_kwargs) -> tuple[dict, dict, dict]:
+    """Per side (url, model): requests/s of each round, latencies at concurrency 1, non-200 count. Rounds are
+    paired (order alternating) so a drifting background load hits both sides alike; latency is measured
+    apart at concurrency 1 (no queueing)."""
+    throughput = {side: [] for side in sides}
+    failures = {side: 0 for side in sides}
+    latencies = {side: [] for side in sides}
+    for round_ in range(rounds):
+        for side in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):
+            rps, _, failed = asyncio.run(load(*sides[side], requests // rounds, concurrency, **load_kwargs))
+            throughput[side].append(rps)
+            failures[side] += failed
+            _, single, failed = asyncio.run(load(*sides[side], latency_requests // rounds, 1, **load_kwargs))
+            latencies[side].extend(single)
+            failures[side] += failed
+    return throughput, latencies, failures
+
+
 def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
@@ -140,19 +159,9 @@ def main() -> None:
                  "stock": (f"http://127.0.0.1:{port}/stock", f"{base}:{version_folder(MODEL, 1)}")}
         for url, model in sides.values():  # warm-up: adapter download, handles, connections
             asyncio.run(load(url, model, 50, args.concurrency))
-        # Paired rounds (order alternating) so a drifting background load hits both sides alike; the ratio
-        # is the median of per-round ratios. Latency is measured apart at concurrency 1 (no queueing).
-        rounds = {side: [] for side in sides}
-        failures = {side: 0 for side in sides}
-        latencies = {side: [] for side in sides}
-        for round_ in range(args.rounds):
-            for side in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):
-                rps, _, failed = asyncio.run(load(*sides[side], args.requests // args.rounds, args.concurrency))
-                rounds[side].append(rps)
-                failures[side] += failed
-                _, single, failed = asyncio.run(load(*sides[side], args.latency_requests // args.rounds, 1))
-                latencies[side].extend(single)
-                failures[side] += failed
+        # the ratio is the median of per-round ratios
+        rounds, latencies, failures = paired_rounds(sides, args.rounds, args.requests, args.latency_requests,
+                                                    args.concurrency)
         models_url = f"{sides['alias'][0]}/v1/models"
         entries = len(httpx.get(models_url, timeout=30).json()["data"])
         models_ms = []
