@@ -77,7 +77,9 @@ class TrackingConfig(_Section):
     keep_best_checkpoints: int | None = Field(None, ge=1, description="retention: keep the best k + the latest "
                                               "checkpoints (and registered ones); None keeps all")
     sample_mazes: int = Field(16, ge=0, le=256, description="answers per eval logged as a table with images (0 = off)")
-    sample_groups: int = Field(2, ge=0, le=64, description="GRPO groups per logging interval logged the same way")
+    sample_groups: int = Field(2, ge=0, le=64, description="GRPO groups logged the same way, every `sample_train_every` steps")
+    sample_train_every: int = Field(25, ge=1, description="steps between GRPO sample tables (each is an image grid "
+                                    "and two uploads: every step would compete with training on a small machine)")
     system_metrics: bool = Field(True, description="MLflow system metrics (CPU, memory, disk, network; GPU if present)")
     system_metrics_interval_s: float = Field(10.0, gt=0, description="sampling interval of the system metrics")
 

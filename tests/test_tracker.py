@@ -212,6 +212,7 @@ def test_samples_land_as_a_table_with_images_and_evals_name_their_dataset(test_c
     eval_set = DatasetRef("maze_2d/local7", "e" * 64, source="s3://rlops/datasets/local/eval.parquet", rows=64)
     train_set = DatasetRef("maze_2d/local7", "t" * 64, source="/data/train.parquet", context="training")
     test_config.tracking.sample_mazes, test_config.tracking.sample_groups = 2, 1
+    test_config.tracking.sample_train_every = 3
     test_config.tracking.system_metrics_interval_s = 0.5
     image = np.zeros((20, 20, 3), dtype=np.uint8)
     rendered = []
@@ -225,6 +226,7 @@ def test_samples_land_as_a_table_with_images_and_evals_name_their_dataset(test_c
         assert session.log_samples(rows, step=4) == 2 and rendered == []
         groups = [{"group": g, "image": image, "completion": "left", "advantage": 0.0} for g in (0, 0, 1, 1)]
         assert session.log_samples(groups, step=3, kind="train") == 2
+        assert session.log_samples(groups, step=4, kind="train") == 0  # between sample_train_every steps
         session.log_eval("maze_2d/local7", 0.5, [{"seed": 0, "solved": True, "steps": 3, "final_distance": 0}], step=4)
         with pytest.raises(ValueError, match="sample kind"):
             session.log_samples(rows, step=4, kind="other")

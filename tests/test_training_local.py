@@ -113,6 +113,7 @@ def test_local_grpo_run_lands_in_mlflow(test_config, mlflow_client, tmp_path):
     local.max_completion_tokens = 8
     local.eval_samples = 2
     config.tracking.sample_mazes, config.tracking.sample_groups = 5, 1
+    config.tracking.sample_train_every = 3
     config.tracking.system_metrics_interval_s = 1.0
     result = train(config, tmp_path / "run", steps=4, budget_s=600, fast=True, log=lambda _: None)
 
@@ -170,7 +171,9 @@ def test_local_grpo_run_lands_in_mlflow(test_config, mlflow_client, tmp_path):
         assert {r["image"]["filepath"] for r in table} <= images
     assert {a.path for a in mlflow_client.list_artifacts(result.run_id, "eval/samples")} == {
         f"eval/samples/step_{s}.{ext}" for s in (0, 2, 4) for ext in ("json", "png")}
-    groups = logged_table(mlflow_client, result.run_id, "train/samples/step_1.json", tmp_path / "g")
+    groups = logged_table(mlflow_client, result.run_id, "train/samples/step_3.json", tmp_path / "g")
+    assert [a.path for a in mlflow_client.list_artifacts(result.run_id, "train/samples")] == [
+        "train/samples/step_3.json", "train/samples/step_3.png"]  # every sample_train_every steps only
     assert len(groups) == local.num_generations and {r["group"] for r in groups} == {0}
     assert abs(sum(r["advantage"] for r in groups)) < 1e-3 and {"completion", "reward", "image"} <= set(groups[0])
 

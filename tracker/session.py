@@ -275,7 +275,8 @@ class RunSession:
 
     def log_samples(self, rows: list[dict], step: int, *, kind: str = "eval") -> int:
         """Log a bounded sample of answers (`tracking.sample_mazes` eval rows, or the rows of the first
-        `tracking.sample_groups` GRPO groups for kind="train") as `<eval|train>/samples/step_<N>.json`
+        `tracking.sample_groups` GRPO groups for kind="train", at steps divisible by
+        `tracking.sample_train_every`) as `<eval|train>/samples/step_<N>.json`
         with an image column (`image`: PIL image, HxWx3 array, or a callable rendering one) and a grid
         `step_<N>.png`. Returns the rows queued; everything else happens on a background thread."""
         self._check_open()
@@ -285,7 +286,9 @@ class RunSession:
         check_rows(rows)
         limit = self.config.tracking.sample_mazes if kind == "eval" else self.config.tracking.sample_groups
         rows = bounded(rows, kind, limit)
-        if not rows or self._samples is None or (kind == "train" and step <= self.resumed_after_step):
+        tracking = self.config.tracking
+        if not rows or self._samples is None or (kind == "train" and (
+                step <= self.resumed_after_step or step % tracking.sample_train_every)):
             return 0
         self._samples.add(kind, step, rows)
         return len(rows)

@@ -16,6 +16,7 @@ import random
 import re
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -531,6 +532,8 @@ def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callback
 
     local = config.training.local
     torch.manual_seed(local.seed)
+    # TRL reads this deprecated transformers property at every generation: one FutureWarning per step
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     model = AutoModelForImageTextToText.from_pretrained(str(base), dtype=torch.float32)
     args = GRPOConfig(
         output_dir=str(run_dir), max_steps=steps, learning_rate=local.learning_rate, lr_scheduler_type="constant",
