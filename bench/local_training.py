@@ -14,6 +14,7 @@ base is cached there, so a second run skips SFT.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,8 +35,10 @@ def evaluate_model(model_dir: Path, adapter_dir: Path | None, maze_sets, local) 
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from training.local_trainer import evaluate
+    from training.vision_cache import VisionCache
 
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir))
+    VisionCache.install(model)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(adapter_dir))
     processor = AutoProcessor.from_pretrained(str(model_dir))
@@ -95,8 +98,8 @@ def main() -> None:
     finally:
         stack.down(config)
 
-    print(f"GRPO: {result.steps} steps in {result.seconds:.0f} s = {result.seconds_per_step:.3f} s/step "
-          f"(budget {budget:.0f} s, 2 CPU cores shared)")
+    print(f"GRPO: {result.steps} steps at {result.seconds_per_step:.3f} s/step (budget {budget:.0f} s of steps; "
+          f"{result.seconds:.0f} s wall with the evals between them; load average {os.getloadavg()[0]:.1f})")
     print("fixed-eval curve, greedy: " + ", ".join(f"{s}:{r:.3f}" for s, r in result.curve))
     print("fixed-eval curve, sampled pass@1: " + ", ".join(f"{s}:{r:.3f}" for s, r in result.sampled_curve))
     for maze_set in sets:

@@ -147,6 +147,9 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
 
     with progress.stage("GRPO + LoRA training, tracked in MLflow"):
         run_dir = config.data_path / "runs" / time.strftime("%Y%m%d-%H%M%S")
+        if fast:  # the plumbing check: greedy evals only (sampled pass@1 of the random-init base says nothing)
+            local = config.training.local.model_copy(update={"eval_samples": 0})
+            config = config.model_copy(update={"training": config.training.model_copy(update={"local": local})})
         result = local_trainer.train(config, run_dir, fast=fast, steps=FAST_STEPS if fast else None,
                                      budget_s=None if fast else min(config.training.local.budget_s, DEMO_GRPO_BUDGET_S),
                                      log=lambda line: echo(f"    {line}"))

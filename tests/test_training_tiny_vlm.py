@@ -100,3 +100,29 @@ def test_a_stale_cached_init_is_rebuilt(tmp_path):
     marker.write_text(json.dumps({**json.loads(built), "architecture_sha256": "an older architecture"}))
     ensure_tiny_init(config)
     assert _weights_digest(init) == weights and marker.read_text() == built
+
+
+def test_vision_cache_gives_the_towers_own_features_and_encodes_each_image_once(tiny_dir):
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from training import datasets as ds
+    from training.local_trainer import maze_image
+    from training.vision_cache import VisionCache
+
+    model = Qwen3VLForConditionalGeneration.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(str(tiny_dir))
+    mazes = ds.local_eval_set(7).mazes()[:3]
+    images = [maze_image(m) for m in mazes for _ in range(4)]  # GRPO's repeated prompts: 3 distinct images
+    pixels = processor.image_processor(images=images, return_tensors="pt")
+    with torch.no_grad():
+        plain = model.model.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"])
+        cache = VisionCache.install(model)
+        cached = model.model.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"])
+        again = model.model.get_image_features(pixels["pixel_values"][: len(pixels["pixel_values"]) // 4],
+                                               pixels["image_grid_thw"][:3])
+    assert (cache.misses, cache.hits) == (3, 9 + 3)
+    assert all(torch.equal(a, b) for a, b in zip(plain.pooler_output, cached.pooler_output))
+    assert all(torch.equal(a, b) for a, b in zip(plain.deepstack_features[0], cached.deepstack_features[0]))
+    assert torch.equal(again.pooler_output[0], plain.pooler_output[0])
+    assert not any(p.requires_grad for p in model.model.visual.parameters())

@@ -28,6 +28,7 @@ from rlops.config import Config
 from rlops.layout import TAG_BASE_MODEL_SHA256, TAG_TRAINER
 from training import datasets as ds
 from training.maze import Maze, WalkResult, answer_moves, answer_text, random_walk, render, solve, walk_answer
+from training.vision_cache import VisionCache
 
 TINY_INIT_DIR = "tiny-init"
 TINY_INIT_MARKER = "rlops-tiny-init.json"
@@ -500,17 +501,20 @@ class QuietProgressCallback(ProgressCallback):
 
 
 class BudgetCallback(TrainerCallback):
-    """Stop at the time budget or the last step, with a checkpoint either way."""
+    """Stop at the time budget or the last step, with a checkpoint either way. The budget counts the time
+    inside GRPO steps only: the evals and checkpoint saves between them do not take steps away."""
 
     def __init__(self, budget_s: float):
         self.budget_s = budget_s
-        self.started = time.monotonic()
+        self.step_seconds = 0.0
+        self._step_started = time.monotonic()
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.started = time.monotonic()
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._step_started = time.monotonic()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if time.monotonic() - self.started >= self.budget_s or state.global_step >= state.max_steps:
+        self.step_seconds += time.monotonic() - self._step_started
+        if self.step_seconds >= self.budget_s or state.global_step >= state.max_steps:
             control.should_training_stop = True
             control.should_save = True
 
@@ -535,6 +539,7 @@ def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callback
     # TRL reads this deprecated transformers property at every generation: one FutureWarning per step
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     model = AutoModelForImageTextToText.from_pretrained(str(base), dtype=torch.float32)
+    VisionCache.install(model)  # LoRA leaves the tower frozen: each maze image is encoded once
     args = GRPOConfig(
         output_dir=str(run_dir), max_steps=steps, learning_rate=local.learning_rate, lr_scheduler_type="constant",
         per_device_train_batch_size=local.num_generations * local.prompts_per_step,
@@ -646,7 +651,8 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
             session.log_metrics({"perf/eval_s": scored.seconds}, step=step)
 
         groups = GroupSampleCallback(session, local.num_generations)
-        callbacks = [TrackerCallback(session), BudgetCallback(budget_s), groups,
+        budget = BudgetCallback(budget_s)
+        callbacks = [TrackerCallback(session), budget, groups,
                      FixedEvalCallback(score, record, already_scored=scored_steps.__contains__)]
         trainer = grpo_trainer(config, base, run_dir, steps, callbacks, processor, train_mazes, groups.observe)
         started = time.monotonic()
@@ -654,7 +660,7 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
         result.seconds = round(time.monotonic() - started, 1)
         result.steps = trainer.state.global_step
         done_here = result.steps - (int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint else 0)
-        result.seconds_per_step = round(result.seconds / max(1, done_here), 3)
+        result.seconds_per_step = round(budget.step_seconds / max(1, done_here), 3)  # GRPO alone, evals apart
         # the curves as the run logged them, earlier sessions of a resumed run included
         result.curve = session.eval_history(eval_key(eval_set.data_source))
         result.sampled_curve = session.eval_history(eval_key(eval_set.data_source, SAMPLED_METRIC))
