@@ -1,7 +1,7 @@
 """`rlops demo`: the whole loop on one machine, each stage through the same code paths users run.
 
-stack up -> base model + datasets -> GRPO + LoRA training tracked in MLflow (best checkpoint registered)
--> staging via the webhook path (a plain MLflow client moves the alias) -> production via `promote`
+stack up -> base model + datasets -> GRPO + LoRA training tracked in MLflow (best checkpoint registered),
+while the endpoint starts on the base -> staging via the webhook path (a plain MLflow client moves the alias) -> production via `promote`
 -> the Ray Serve endpoint (Ray's vLLM engine) serves it: `promote verify` checks the served greedy solve rate
 against the tracked one, then a maze image is answered through the official openai client.
 Everything it starts is recorded in the data dir, so `rlops down` stops it; a re-run reuses what exists.
@@ -87,6 +87,19 @@ def _start_cli(config: Config, name: str, args: list[str], env: dict[str, str]) 
     return processes.start(config.data_path, name, [sys.executable, "-m", "rlops", *args], env)
 
 
+def _start_serving(config: Config, config_path: str | None, base_url: str, base_env: dict[str, str],
+                   echo: Callable[[str], None]) -> processes.ProcessRecord | None:
+    """Start `rlops serve` in the background unless an endpoint is already up; its record, if any."""
+    record = processes.read_record(config.data_path, "serve")
+    if record is not None and record.process() is not None:
+        return record
+    if stack.http_ok(f"{base_url}/models"):
+        echo(f"    reusing the endpoint already running at {base_url}")
+        return None
+    echo(f"    starting the endpoint at {base_url} in the background (log: {processes.log_dir(config.data_path) / 'serve.log'})")
+    return _start_cli(config, "serve", ["serve"], _child_env(config, config_path, base_env))
+
+
 def _manifest(config: Config, model: str) -> RoutesManifest:
     from registry_hooks import storage
 
@@ -144,6 +157,11 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
         base = local_trainer.ensure_tiny_init(config) if fast else local_trainer.ensure_base(config, log=echo)
         ds.build_datasets(config.data_path / "datasets")
         echo(f"    base model: {base}")
+    # Promotion checks adapters against the served base, and serving loads it: both use the trained-on base.
+    config = config.model_copy(update={"serving": config.serving.model_copy(update={"model_source": str(base)})})
+    base_env = {"RLOPS_SERVING__MODEL_SOURCE": str(base)}
+    # Serving needs only the base: its start (vLLM's engine, minutes on a small machine) overlaps training.
+    serve_record = _start_serving(config, config_path, base_url, base_env, echo)
 
     with progress.stage("GRPO + LoRA training, tracked in MLflow"):
         run_dir = config.data_path / "runs" / time.strftime("%Y%m%d-%H%M%S")
@@ -163,9 +181,6 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
         if result.registered_version is None and not result.registration_refused:
             raise DemoError("training registered no checkpoint (no eval ran); nothing to promote")
     version = int(result.registered_version) if result.registered_version is not None else None
-    # Promotion checks adapters against the served base, and serving loads it: both use the trained-on base.
-    config = config.model_copy(update={"serving": config.serving.model_copy(update={"model_source": str(base)})})
-    base_env = {"RLOPS_SERVING__MODEL_SOURCE": str(base)}
 
     with progress.stage("promotion: staging via webhook, production via promote"):
         if version is None:
@@ -173,19 +188,13 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
         else:
             _promote(config, config_path, model, version, base_env, echo)
 
-    with progress.stage("serving: Ray Serve LLM endpoint on vLLM"):
-        record = processes.read_record(config.data_path, "serve")
-        if record is None or record.process() is None:
-            if stack.http_ok(f"{base_url}/models"):
-                echo(f"    reusing the endpoint already running at {base_url}")
-            else:
-                record = _start_cli(config, "serve", ["serve"], _child_env(config, config_path, base_env))
+    with progress.stage("serving: Ray Serve LLM endpoint on vLLM (started beside training)"):
         route = _manifest(config, model).aliases.get("production")
         production = route.version if route is not None else None
         # nothing in production yet (no run beat its base): the endpoint serves the base model alone
         wanted = f"{config.serving.base_model_id}:{model}" if route is not None else config.serving.base_model_id
         waited = processes.wait_healthy(
-            record if record is not None and record.process() is not None else None,
+            serve_record if serve_record is not None and serve_record.process() is not None else None,
             lambda: _endpoint_ready(base_url, wanted, production, api_key), SERVE_READY_TIMEOUT_S, "endpoint")
         echo(f"    {base_url} lists {wanted}" + (f" at v{production}" if production else " (no production version)")
              + f" ({waited:.1f} s)")
