@@ -104,6 +104,8 @@ def live_gate(promoter: Promoter, model: str, alias: str, version: int, gate: Li
             stays = f"stays at v{current}" if current is not None else "stays unset"
             raise Refused(f"{refusal}; {alias} {stays} (--force moves it anyway)")
         figures["notes"].append(f"--force passed the live gate: {refusal}")
+    elif refusal:
+        figures["notes"].append(f"{alias} is not guarded, so this does not stop the move: {refusal}")
     return figures
 
 
