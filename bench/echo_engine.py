@@ -1,9 +1,12 @@
 """A bench fixture for Ray's `LLMEngine` protocol that echoes the last user message: it costs next to nothing,
 so an ingress benchmark measures the ingress. Plugged in with `RAYLLM_VLLM_ENGINE_CLS=echo_engine:EchoEngine`
 (bench/ on the replica's PYTHONPATH). Not part of the product: production serves with Ray's own VLLMEngine.
+`ECHO_FAIL_MODELS` (comma-separated engine model ids, `<base>:<folder>`): those answer a 500, an engine fault
+of one version (bench/canary.py's SLO breach).
 """
 from __future__ import annotations
 
+import os
 import time
 import uuid
 
@@ -30,6 +33,9 @@ class EchoEngine(LLMEngine):
         return None
 
     async def chat(self, request, raw_request_info=None):
+        if request.model in os.environ.get("ECHO_FAIL_MODELS", "").split(","):
+            yield ErrorResponse(error=ErrorInfo(message="injected engine fault", type="server_error", code=500))
+            return
         content = request.messages[-1].get("content") or ""
         text = content if isinstance(content, str) else " ".join(p.get("text", "") for p in content)
         words = text.split()[: request.max_tokens or 16]

@@ -63,12 +63,13 @@ def seed_s3(config, extra_models: int) -> None:
     stamp_routes(s3, location)
 
 
-def build_apps(config):
+def build_apps(config, engine_env: dict[str, str] | None = None):
+    """(alias app, stock app) on the echo engine; `engine_env` adds variables to the engine's replica."""
     from ray.serve.llm import build_openai_app
 
     alias_args = app_args(config, "cpu")
     alias_args["llm_configs"][0]["runtime_env"] = {"env_vars": {"RAYLLM_VLLM_ENGINE_CLS": ECHO_ENGINE,
-                                                                "PYTHONPATH": BENCH_DIR}}
+                                                                "PYTHONPATH": BENCH_DIR, **(engine_env or {})}}
     stock_args = json.loads(json.dumps(alias_args))
     del stock_args["ingress_cls_config"]  # the stock OpenAiIngress
     return build_openai_app(alias_args), build_openai_app(stock_args)

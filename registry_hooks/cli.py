@@ -9,10 +9,14 @@
   promote canary MODEL (--promote | --abort) [--alias production]
   promote history MODEL [--alias A] [--json]
 Every move takes --reason TEXT (recorded in the history) and --wait [--timeout S] (return once the endpoint's
-/v1/models lists the new version).
+/v1/models lists the new version). `promote ... --to` and `canary --version/--promote` take --verify: the
+candidate is published as @v<N> (no alias moves) and its eval set replayed through the endpoint first; a
+guarded alias refuses a served score below the tracked one or the current target's (registry.guardrail_served_margin).
+The actor in the history is the authenticated MLflow user (server.auth), else `os:<user>`.
 
-Exit codes: 0 done; 1 error (MLflow/S3 unreachable, ...); 2 usage; 3 unknown model/version/alias;
-4 refused (invalid adapter, or the eval guardrail without --force); 5 sync did not converge;
+Exit codes: 0 done; 1 error (MLflow/S3 unreachable, ...); 2 usage; 3 unknown model/version/alias (or --verify:
+no tracked eval table); 4 refused (invalid adapter, the eval guardrail without --force, or the live eval gate
+of --verify without --force); 5 sync did not converge;
 6 `status` found drift (registry intent != served manifest) or refusals; 7 `verify` found served answers
 that differ from the tracked eval.
 """
@@ -23,7 +27,7 @@ import json
 import os
 import sys
 from contextlib import contextmanager
-from typing import Iterator, NoReturn
+from typing import Iterator, Mapping, NoReturn
 
 import click
 
@@ -49,9 +53,12 @@ class PromoteGroup(click.Group):
         return super().parse_args(ctx, args)
 
 
-def actor() -> str:
-    """The MLflow user recorded in the audit tags (the basic-auth user, else the OS user MLflow records)."""
-    return os.environ.get("MLFLOW_TRACKING_USERNAME") or getpass.getuser()
+def actor(config: Config, environ: Mapping[str, str] = os.environ) -> str:
+    """Who moves, for the history and audit tags. With tracking auth configured (`server.auth`) every request of
+    this command is authenticated by MLflow as the basic-auth user, so that user is the actor. Without it nobody
+    is authenticated and MLFLOW_TRACKING_USERNAME would be free text: the OS user, marked `os:`."""
+    user = environ.get("MLFLOW_TRACKING_USERNAME")
+    return user if config.server.auth and user else f"os:{getpass.getuser()}"
 
 
 @contextmanager
@@ -103,6 +110,14 @@ def _print_report(report: SyncReport, as_json: bool) -> None:
         click.echo(f"  refused  {alias} -> v{refusal['version']}: {refusal['reason']}")
     for alias in report.removed:
         click.echo(f"  removed  {alias} (alias deleted in the registry)")
+    if report.verify:
+        v = report.verify
+        current = (f"; current v{v['current_version']} served {v['current_served_solve_rate']:.4f}"
+                   if v["current_served_solve_rate"] is not None else "")
+        click.echo(f"  verified {v['served_name']} on {v['data_source']} ({v['mazes']} mazes): served "
+                   f"{v['served_solve_rate']:.4f}, tracked {v['tracked_solve_rate']:.4f}{current}; margin {v['margin']:g}")
+        for note in v["notes"]:
+            click.echo(f"  note: {note}")
     for warning in report.warnings:
         click.echo(f"  note: {warning}")
 
@@ -112,15 +127,24 @@ dry_run_option = click.option("--dry-run", is_flag=True, help="Validate and show
 reason_option = click.option("--reason", help="Why: recorded in the history (`promote history`).")
 
 
+verify_option = click.option("--verify", is_flag=True, help="First publish the candidate as @v<N>, replay its eval "
+                             "set through the endpoint, and (guarded alias) refuse a worse served score.")
+endpoint_option = click.option("--endpoint", help="OpenAI endpoint (default: http://<serving.host>:<serving.port>).")
+
+
 def wait_options(fn):
     fn = click.option("--timeout", "wait_timeout", type=click.FloatRange(min=0), default=120.0, show_default=True,
-                      help="Seconds --wait waits.")(fn)
+                      help="Seconds --wait (and --verify, for the endpoint to serve @v<N>) waits.")(fn)
     return click.option("--wait", is_flag=True, help="Return once the endpoint's /v1/models lists the new version "
                         "(exit 1 after --timeout).")(fn)
 
 
 def endpoint_of(config: Config) -> str:
     return f"http://{config.serving.host}:{config.serving.port}"
+
+
+def live_gate(config: Config, verify: bool, endpoint: str | None, timeout_s: float) -> operations.LiveGate | None:
+    return operations.LiveGate(endpoint or endpoint_of(config), serving_api_key(config), timeout_s) if verify else None
 
 
 def wait_for(config: Config, report: SyncReport, alias: str, *, canary: bool, timeout_s: float) -> None:
@@ -146,9 +170,9 @@ def main(ctx: click.Context, config_path: str | None) -> None:
       promote MODEL --version N --to production     [--force] [--dry-run] [--json]
       promote MODEL --from staging --to production
 
-    Exit codes: 0 done, 1 error, 2 usage, 3 unknown model/version/alias, 4 refused (invalid adapter or
-    eval guardrail), 5 no convergence, 6 status found drift or refusals, 7 verify found served answers
-    that differ from the tracked eval.
+    Exit codes: 0 done, 1 error, 2 usage, 3 unknown model/version/alias, 4 refused (invalid adapter, eval
+    guardrail, or the live eval gate of --verify), 5 no convergence, 6 status found drift or refusals,
+    7 verify found served answers that differ from the tracked eval.
     """
     ctx.obj = config_path
 
@@ -160,16 +184,20 @@ def main(ctx: click.Context, config_path: str | None) -> None:
 @click.option("--from", "from_alias", help="Promote the version this alias points at (e.g. staging).")
 @click.option("--force", is_flag=True, help="Pass the eval-metric guardrail: tags the version rlops.force (who, when).")
 @reason_option
+@verify_option
+@endpoint_option
 @wait_options
 @dry_run_option
 @json_option
 @click.pass_context
-def to_command(ctx, model, to_alias, version, from_alias, force, reason, wait, wait_timeout, dry_run, as_json) -> None:
+def to_command(ctx, model, to_alias, version, from_alias, force, reason, verify, endpoint, wait, wait_timeout, dry_run,
+               as_json) -> None:
     """promote MODEL (--version N | --from ALIAS) --to ALIAS"""
     config = _config(ctx)
     with handled(as_json), progress_bar(not as_json) as progress:
         report = operations.promote(config, model, to_alias=to_alias, version=version, from_alias=from_alias,
-                                    force=force, actor=actor(), reason=reason, dry_run=dry_run, progress=progress)
+                                    force=force, actor=actor(config), reason=reason, dry_run=dry_run, progress=progress,
+                                    gate=live_gate(config, verify, endpoint, wait_timeout))
         if wait and not dry_run:
             wait_for(config, report, to_alias, canary=False, timeout_s=wait_timeout)
     _print_report(report, as_json)
@@ -182,14 +210,17 @@ def to_command(ctx, model, to_alias, version, from_alias, force, reason, wait, w
 @click.option("--weight", type=float, help="Percent of the alias's clients (0 < W < 100) that get the canary.")
 @click.option("--promote", "promote_it", is_flag=True, help="Make the canary the alias's whole target.")
 @click.option("--abort", is_flag=True, help="Drop the canary; the alias keeps its target.")
-@click.option("--force", is_flag=True, help="--promote past the eval-metric guardrail (tags the version rlops.force).")
+@click.option("--force", is_flag=True, help="--promote past the eval-metric guardrail (tags the version rlops.force); "
+              "with --verify, past the live eval gate.")
 @reason_option
+@verify_option
+@endpoint_option
 @wait_options
 @dry_run_option
 @json_option
 @click.pass_context
-def canary_command(ctx, model, alias, version, weight, promote_it, abort, force, reason, wait, wait_timeout, dry_run,
-                   as_json) -> None:
+def canary_command(ctx, model, alias, version, weight, promote_it, abort, force, reason, verify, endpoint, wait,
+                   wait_timeout, dry_run, as_json) -> None:
     """Send W percent of ALIAS's clients (sticky per client) to version N; then --promote or --abort."""
     config = _config(ctx)
     if version is not None and weight is None:
@@ -197,8 +228,8 @@ def canary_command(ctx, model, alias, version, weight, promote_it, abort, force,
     alias = alias or config.registry.default_alias
     with handled(as_json), progress_bar(not as_json) as progress:
         report = operations.canary(config, model, alias=alias, version=version, weight=weight, promote_it=promote_it,
-                                   abort=abort, force=force, actor=actor(), reason=reason, dry_run=dry_run,
-                                   progress=progress)
+                                   abort=abort, force=force, actor=actor(config), reason=reason, dry_run=dry_run,
+                                   progress=progress, gate=live_gate(config, verify, endpoint, wait_timeout))
         if wait and not dry_run:
             wait_for(config, report, alias, canary=version is not None, timeout_s=wait_timeout)
     _print_report(report, as_json)
@@ -223,6 +254,8 @@ def history_command(ctx, model, alias, as_json) -> None:
             what = f"canary v{e['version']} at {e['weight']:g}% (beside v{e['from_version']})"
         elif e["event"] == "canary_aborted":
             what = f"canary v{e['version']} dropped"
+        elif e["event"] == "preview":
+            what = f"v{e['version']} published as @v{e['version']} (verify)"
         else:
             what = moved + (" (canary promoted)" if e["event"] == "canary_promoted" else "")
         extra = "; ".join(filter(None, [e["eval"], e["reason"] and f"reason: {e['reason']}"]))
@@ -242,7 +275,7 @@ def rollback_command(ctx, model, alias, reason, wait, wait_timeout, dry_run, as_
     config = _config(ctx)
     alias = alias or config.registry.default_alias
     with handled(as_json), progress_bar(not as_json) as progress:
-        report = operations.rollback(config, model, alias=alias, actor=actor(), reason=reason, dry_run=dry_run,
+        report = operations.rollback(config, model, alias=alias, actor=actor(config), reason=reason, dry_run=dry_run,
                                      progress=progress)
         if wait and not dry_run:
             wait_for(config, report, alias, canary=False, timeout_s=wait_timeout)
@@ -260,7 +293,7 @@ def sync_command(ctx, model, reason, as_json) -> None:
     reports = []
     with handled(as_json):
         for name in [model] if model else config.registry.models:
-            reports.append(sync_model(config, name, trigger="cli", actor=actor(), reason=reason))
+            reports.append(sync_model(config, name, trigger="cli", actor=actor(config), reason=reason))
     if as_json:
         click.echo(json.dumps({"reports": [r.to_dict() for r in reports]}, indent=2))
         return
@@ -277,7 +310,7 @@ def retire_command(ctx, model, dry_run, as_json) -> None:
     """Stop serving MODEL (not in registry.models any more): unpublish its routes manifest, keep its folders."""
     config = _config(ctx)
     with handled(as_json):
-        record = operations.retire(config, model, actor=actor(), dry_run=dry_run)
+        record = operations.retire(config, model, actor=actor(config), dry_run=dry_run)
     if as_json:
         click.echo(json.dumps(record, indent=2))
         return
@@ -370,7 +403,7 @@ def gc_command(ctx, dry_run, as_json) -> None:
 @click.argument("model")
 @click.option("--alias", help="Served alias to check (default: registry.default_alias unless --version).")
 @click.option("--version", type=click.IntRange(min=1), help="Check this version, pinned as @v<N>.")
-@click.option("--endpoint", help="OpenAI endpoint (default: http://<serving.host>:<serving.port>).")
+@endpoint_option
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def verify_command(ctx, model, alias, version, endpoint, as_json) -> None:

@@ -10,7 +10,7 @@ from typing import Callable
 
 from registry_hooks import registry, storage
 from registry_hooks.adapter import InvalidAdapter
-from registry_hooks.plan import drift, parse_time, referenced_folders, rollback_target
+from registry_hooks.plan import drift, parse_time, referenced_folders, rollback_target, served_gate_refusal
 from registry_hooks.reconcile import ManifestCache, ModelState, read_states
 from registry_hooks.sync import NotFound, Promoter, PromotionError, Refused, SyncConflict, SyncReport
 from rlops.config import Config
@@ -40,16 +40,87 @@ def _lookup(fn, *args):
         raise NotFound(str(exc)) from None
 
 
+@dataclass(frozen=True)
+class LiveGate:
+    """`--verify`: where the running endpoint is, and how long to wait for it to serve the candidate."""
+
+    endpoint: str
+    api_key: str | None = None
+    timeout_s: float = 120.0
+
+
+def _check_gate(gate: LiveGate | None, dry_run: bool) -> None:
+    if gate is not None and dry_run:
+        raise UsageProblem("--verify publishes the candidate as @v<N> and evaluates it live; --dry-run changes "
+                           "nothing: use one of them")
+
+
+def live_gate(promoter: Promoter, model: str, alias: str, version: int, gate: LiveGate, *, force: bool,
+              trigger: str, actor: str | None, reason: str | None) -> dict:
+    """The live eval gate of `--verify`, before `alias` moves to `version`: publish the candidate under its own
+    name (`@v<N>`, a `preview` history entry; no alias moves), wait until the endpoint resolves it, replay its
+    eval set through the endpoint (`verify_served`: the served figure is logged on its LoggedModel), and the
+    current target's as `@v<current>` beside it. On a guarded alias, raise Refused when the served solve rate
+    is below the tracked one, or the current target's served one, by more than
+    `registry.guardrail_served_margin` (`force`: pass, said in the figures). Returns the figures."""
+    from registry_hooks.parity import verify_served
+
+    config = promoter.config
+    try:
+        promoter.publish_preview(model, version, alias=alias, trigger=trigger, actor=actor, reason=reason)
+    except InvalidAdapter as exc:
+        registry.set_tags(promoter.mlflow, model, version, {registry.REFUSED_TAG: str(exc)})
+        raise Refused(f"v{version} of {model!r} cannot be served: {exc}") from None
+    name = f"{config.serving.base_model_id}:{model}@v{version}"
+    waited = wait_served(gate.endpoint, name, version, timeout_s=gate.timeout_s, api_key=gate.api_key)
+    manifest, _ = storage.read_manifest(promoter.dest, promoter.location, model)
+    current = manifest.aliases[alias].version if alias in manifest.aliases else None
+
+    def measure(v: int):
+        return verify_served(config, model, alias=None, version=v, endpoint=gate.endpoint, api_key=gate.api_key)
+
+    candidate = measure(version)
+    figures = {"served_name": name, "data_source": candidate.data_source, "mazes": candidate.mazes,
+               "served_solve_rate": candidate.served, "tracked_solve_rate": candidate.tracked,
+               "current_version": current, "current_served_solve_rate": None, "seconds_to_serve": waited,
+               "margin": config.registry.guardrail_served_margin, "guarded": alias in config.registry.guarded_aliases,
+               "refusal": None, "notes": []}
+    if current is not None and current != version:
+        try:
+            figures["current_served_solve_rate"] = measure(current).served
+        except NotFound as exc:
+            figures["notes"].append(f"the current v{current} was not compared: {exc}")
+    refusal = served_gate_refusal(version, candidate.served, candidate.tracked, current_version=current,
+                                  current_served=figures["current_served_solve_rate"],
+                                  margin=config.registry.guardrail_served_margin, data_source=candidate.data_source)
+    figures["refusal"] = refusal
+    shown = (f"{utc_now()}: served {candidate.served:.4f} (tracked {candidate.tracked:.4f}) on {candidate.data_source}, "
+             f"{candidate.mazes} mazes" + (f"; current v{current} served {figures['current_served_solve_rate']:.4f}"
+                                           if figures["current_served_solve_rate"] is not None else ""))
+    registry.set_tags(promoter.mlflow, model, version, {registry.VERIFIED_TAG: shown})
+    if refusal and figures["guarded"]:
+        if not force:
+            registry.set_tags(promoter.mlflow, model, version, {registry.REFUSED_TAG: f"{alias}: {refusal}"})
+            stays = f"stays at v{current}" if current is not None else "stays unset"
+            raise Refused(f"{refusal}; {alias} {stays} (--force moves it anyway)")
+        figures["notes"].append(f"--force passed the live gate: {refusal}")
+    elif refusal:
+        figures["notes"].append(f"{alias} is not guarded, so this does not stop the move: {refusal}")
+    return figures
+
+
 def promote(
     config: Config, model: str, *, to_alias: str, version: int | None = None, from_alias: str | None = None,
     force: bool = False, trigger: str = "cli", actor: str | None = None, reason: str | None = None,
-    dry_run: bool = False, progress: Callable[[int], None] | None = None,
+    dry_run: bool = False, progress: Callable[[int], None] | None = None, gate: LiveGate | None = None,
 ) -> SyncReport:
     """Copy and verify the version's folder, then move `to_alias` to it, then sync (the alias moves only
-    after the copy succeeded). Raises NotFound, Refused (invalid adapter, guardrail) or UsageProblem.
+    after the copy succeeded). Raises NotFound, Refused (invalid adapter, guardrail, live gate) or UsageProblem.
 
     The sync applies the guardrail for every trigger; it is checked here first only so that a refused
-    promote leaves the registry alias where it was. `force` tags the version rlops.force (who, when)."""
+    promote leaves the registry alias where it was. `force` tags the version rlops.force (who, when).
+    `gate` (`--verify`): the live eval gate (see live_gate) runs before the alias moves."""
+    _check_gate(gate, dry_run)
     promoter = Promoter(config, progress=progress)
     promoter.check_model(model)
     _served_alias(config, to_alias)
@@ -67,8 +138,12 @@ def promote(
         losing = promoter.guard_refusal(model, version, served.version if served else None)
         if losing:
             raise Refused(f"{losing}; use --force to promote anyway (it tags the version {TAG_FORCE})")
-    return _move_alias(promoter, model, to_alias, version, trigger=trigger, actor=actor, reason=reason,
-                       dry_run=dry_run, override=f"promote --force --to {to_alias}" if guarded and force else None)
+    figures = gate and live_gate(promoter, model, to_alias, version, gate, force=force, trigger=trigger, actor=actor,
+                                 reason=reason)
+    report = _move_alias(promoter, model, to_alias, version, trigger=trigger, actor=actor, reason=reason,
+                         dry_run=dry_run, override=f"promote --force --to {to_alias}" if guarded and force else None)
+    report.verify = figures or None
+    return report
 
 
 def _move_alias(promoter: Promoter, model: str, alias: str, version: int, *, trigger: str, actor: str | None,
@@ -111,11 +186,15 @@ def _move_alias(promoter: Promoter, model: str, alias: str, version: int, *, tri
 def canary(config: Config, model: str, *, alias: str | None = None, version: int | None = None,
            weight: float | None = None, promote_it: bool = False, abort: bool = False, force: bool = False,
            trigger: str = "cli", actor: str | None = None, reason: str | None = None, dry_run: bool = False,
-           progress: Callable[[int], None] | None = None) -> SyncReport:
+           progress: Callable[[int], None] | None = None, gate: LiveGate | None = None) -> SyncReport:
     """Start (or reweight) a canary of `alias`: `weight` percent of its clients get `version` (its folder is
     copied and verified first, then the registry gets the `<alias>-canary` alias and the weight tag, then a
     sync publishes it). `promote_it`: the alias moves to the canary (guardrail as for promote) and the canary
-    intent goes; `abort`: the canary intent goes, the alias keeps its target."""
+    intent goes; `abort`: the canary intent goes, the alias keeps its target. `gate` (`--verify`, not with
+    `abort`): the live eval gate (see live_gate) runs on the candidate before the registry changes."""
+    _check_gate(gate, dry_run)
+    if gate is not None and abort:
+        raise UsageProblem("--verify gates a move to a version; --abort moves nothing")
     promoter = Promoter(config, progress=progress)
     promoter.check_model(model)
     alias = alias or config.registry.default_alias
@@ -134,10 +213,11 @@ def canary(config: Config, model: str, *, alias: str | None = None, version: int
             registry.clear_canary(promoter.mlflow, model, alias)
             return promoter.sync(model, trigger=trigger, actor=actor, reason=reason)
         report = promote(config, model, to_alias=alias, version=candidate, force=force, trigger=trigger, actor=actor,
-                         reason=reason, dry_run=dry_run, progress=progress)
+                         reason=reason, dry_run=dry_run, progress=progress, gate=gate)
         if not dry_run:
             registry.clear_canary(promoter.mlflow, model, alias)
-            report = promoter.sync(model, trigger=trigger, actor=actor, reason=reason)
+            figures, report = report.verify, promoter.sync(model, trigger=trigger, actor=actor, reason=reason)
+            report.verify = figures
         return report
     if weight is None or not 0 < weight < 100:
         raise UsageProblem("--weight must be a percent strictly between 0 and 100 (100 is --promote)")
@@ -147,8 +227,12 @@ def canary(config: Config, model: str, *, alias: str | None = None, version: int
         raise NotFound(f"{model}@{alias} is not set: a canary splits an alias's traffic, so the alias needs a target")
     if intent[alias] == version:
         raise UsageProblem(f"{model}@{alias} already serves v{version}")
-    return _move_alias(promoter, model, alias, version, trigger=trigger, actor=actor, reason=reason, dry_run=dry_run,
-                       set_intent=lambda: registry.set_canary(promoter.mlflow, model, alias, version, weight))
+    figures = gate and live_gate(promoter, model, alias, version, gate, force=force, trigger=trigger, actor=actor,
+                                 reason=reason)
+    report = _move_alias(promoter, model, alias, version, trigger=trigger, actor=actor, reason=reason, dry_run=dry_run,
+                         set_intent=lambda: registry.set_canary(promoter.mlflow, model, alias, version, weight))
+    report.verify = figures or None
+    return report
 
 
 def rollback(config: Config, model: str, *, alias: str | None = None, actor: str | None = None,
@@ -367,7 +451,8 @@ def _delete_marked(promoter: Promoter, model: str, doomed: dict[int, list[str]],
 
 def history(config: Config, model: str, *, alias: str | None = None) -> list[dict]:
     """Every published move of `model` (optionally one alias), oldest first, from its routes manifest: when,
-    from -> to, canary weight, trigger, actor, reason, and the version's tracked eval figure."""
+    from -> to, canary weight, trigger, actor, reason, and the version's tracked eval figure (and its live
+    eval's, when `--verify` measured it)."""
     promoter = Promoter(config)
     promoter.check_model(model)
     if alias is not None:
@@ -376,15 +461,18 @@ def history(config: Config, model: str, *, alias: str | None = None) -> list[dic
     metrics = {}
     for mv in registry.search_versions(promoter.mlflow, f"name = '{model}'"):
         tags = mv.tags or {}
-        if TAG_METRIC_KEY in tags:
-            metrics[int(mv.version)] = f"{tags[TAG_METRIC_KEY]}={tags.get(TAG_METRIC_VALUE)}"
+        figures = [f"{tags[TAG_METRIC_KEY]}={tags.get(TAG_METRIC_VALUE)}" if TAG_METRIC_KEY in tags else None,
+                   tags.get(registry.VERIFIED_TAG) and f"verified {tags[registry.VERIFIED_TAG]}"]
+        if any(figures):
+            metrics[int(mv.version)] = "; ".join(filter(None, figures))
     return [{**entry.model_dump(), "eval": metrics.get(entry.version)}
             for entry in manifest.history if alias is None or entry.alias == alias]
 
 
 def endpoint_serves(models_body: dict, name: str, version: int, canary: bool) -> bool:
-    """Whether a `/v1/models` body lists `name` at `version` (as its canary when `canary`)."""
-    for card in models_body.get("data", []):
+    """Whether a `/v1/models` body (or one `/v1/models/<name>` card) lists `name` at `version` (as its canary
+    when `canary`)."""
+    for card in models_body.get("data", [models_body]):
         if card.get("id") == name:
             meta = card.get("metadata") or {}
             return ((meta.get("canary") or {}).get("version") if canary else meta.get("version")) == version
@@ -394,20 +482,26 @@ def endpoint_serves(models_body: dict, name: str, version: int, canary: bool) ->
 def wait_served(endpoint: str, name: str, version: int, *, canary: bool = False, timeout_s: float,
                 api_key: str | None = None, poll_s: float = 0.5) -> float:
     """Poll `endpoint`/v1/models until it lists `name` at `version`; return the seconds it took. Raises
-    PromotionError naming what it saw last after `timeout_s` (the move itself is done: only not seen yet)."""
+    PromotionError naming what it saw last after `timeout_s` (the move itself is done: only not seen yet).
+    A pinned `@v<N>` name is not listed: its own card (`/v1/models/<name>`) answers once it resolves."""
+    from urllib.parse import quote
+
     import httpx
 
     started = time.monotonic()
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    pinned = not canary and name.endswith(f"@v{version}")
+    url = f"{endpoint.rstrip('/')}/v1/models" + (f"/{quote(name, safe='')}" if pinned else "")
     seen = "no answer"
     while True:
         try:
-            response = httpx.get(f"{endpoint.rstrip('/')}/v1/models", headers=headers, timeout=5)
+            response = httpx.get(url, headers=headers, timeout=5)
             if response.status_code == 200 and endpoint_serves(response.json(), name, version, canary):
                 return round(time.monotonic() - started, 3)
             seen = f"HTTP {response.status_code}"
             if response.status_code == 200:
-                card = next((c for c in response.json().get("data", []) if c.get("id") == name), None)
+                body = response.json()
+                card = next((c for c in body.get("data", [body]) if c.get("id") == name), None)
                 seen = f"metadata {card['metadata']}" if card else f"{name} not listed"
         except httpx.HTTPError as exc:
             seen = type(exc).__name__

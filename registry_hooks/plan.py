@@ -148,6 +148,37 @@ def next_manifest(
     )
 
 
+def with_preview(old: RoutesManifest, version: int, *, alias: str, trigger: str, now: str, history_limit: int,
+                 owner: str | None = None, actor: str | None = None, reason: str | None = None) -> RoutesManifest:
+    """`old` plus a `preview` history entry that makes `@v<version>` servable (its folder verified by the
+    caller) without moving any alias: the live eval of `promote --verify` addresses the candidate under its
+    own name. `old` itself when the version is servable already (a target, a canary, in the history)."""
+    if version in old.published_versions():
+        return old
+    current = old.aliases.get(alias)
+    entry = HistoryEntry(alias=alias, version=version, event="preview", trigger=trigger, at=now, actor=actor,
+                         reason=reason, from_version=current.version if current else None)
+    return old.model_copy(update={
+        "owner": owner or old.owner, "generation": old.generation + 1, "updated_at": now,
+        "history": [*old.history, entry][-history_limit:],
+        "collected": [c for c in old.collected if c.version != version]})
+
+
+def served_gate_refusal(version: int, served: float, tracked: float, *, current_version: int | None,
+                        current_served: float | None, margin: float, data_source: str) -> str | None:
+    """Why the live eval gate refuses `version` (None: it passes): its solve rate served through the endpoint
+    is below its tracked one, or below the current target's served one, by more than `margin`."""
+    problems = []
+    if served < tracked - margin:
+        problems.append(f"below its tracked {tracked:.4f}")
+    if current_served is not None and served < current_served - margin:
+        problems.append(f"below the current v{current_version}'s served {current_served:.4f}")
+    if not problems:
+        return None
+    return (f"live eval: v{version} served a solve rate of {served:.4f} on {data_source}, "
+            f"{' and '.join(problems)} by more than the margin {margin:g} (registry.guardrail_served_margin)")
+
+
 class EvalFacts(Protocol):
     """What the guardrail compares (registry.VersionSource has these)."""
 
@@ -187,7 +218,8 @@ def served_aliases(manifest: RoutesManifest, version: int) -> list[str]:
 def promotion_record(manifest: RoutesManifest, version: int, limit: int) -> tuple[str, str]:
     """(aliases serving `version` now, its promotion history newest first) as version-tag values of at
     most `limit` characters: the Models page shows where each version is served and since when."""
-    entries = [f"{e.alias} {e.at} ({e.trigger})" for e in reversed(manifest.history) if e.version == version]
+    entries = [f"{e.alias}{' preview' if e.event == 'preview' else ''} {e.at} ({e.trigger})"
+               for e in reversed(manifest.history) if e.version == version]
     history = ""
     for entry in entries:
         if len(history) + len(entry) + 2 > limit:

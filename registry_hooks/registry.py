@@ -24,6 +24,7 @@ REFUSED_TAG = "serving.refused"
 # The routes manifest mirrored on each version whose routes changed: where it is served, its history.
 SERVED_AS_TAG = "serving.aliases"
 HISTORY_TAG = "serving.history"
+VERIFIED_TAG = "serving.verified"  # the live eval gate's figures (`promote --verify`): served vs tracked, when
 # Bulk reads: the server's max_results limit for registered models (1000), a version page, a filter's length.
 SEARCH_PAGE = 1000
 VERSIONS_PAGE = 10_000

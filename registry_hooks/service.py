@@ -63,11 +63,12 @@ class Metrics:
 
 
 class Reconciler:
-    """Runs syncs on one worker thread; `request(model, trigger)` queues (coalescing), `loop` re-queues all."""
+    """Runs syncs on one worker thread; `request(model, trigger, actor)` queues (coalescing), `loop` re-queues
+    all. The actor in the history: the caller's (the webhook's signed origin), else `rlops-hooks/<trigger>`."""
 
     def __init__(self, config: Config, metrics: Metrics, sync: Callable[..., SyncReport] = sync_model):
         self.config, self.metrics, self._sync = config, metrics, sync
-        self._pending: dict[str, str] = {}
+        self._pending: dict[str, tuple[str, str | None]] = {}  # model -> (trigger, actor)
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -99,9 +100,9 @@ class Reconciler:
     def alive(self) -> bool:
         return all(t.is_alive() for t in self._threads)
 
-    def request(self, model: str, trigger: str) -> None:
+    def request(self, model: str, trigger: str, actor: str | None = None) -> None:
         with self._wake:
-            self._pending.setdefault(model, trigger)
+            self._pending.setdefault(model, (trigger, actor))
             self._wake.notify()
 
     def _loop(self) -> None:
@@ -136,15 +137,15 @@ class Reconciler:
                     self._wake.wait()
                 if self._stop.is_set():
                     return
-                model, trigger = next(iter(self._pending.items()))
+                model, (trigger, actor) = next(iter(self._pending.items()))
                 del self._pending[model]
-            self._run(model, trigger)
+            self._run(model, trigger, actor)
 
-    def _run(self, model: str, trigger: str) -> bool:
+    def _run(self, model: str, trigger: str, actor: str | None = None) -> bool:
         started = time.monotonic()
         ok = True
         try:
-            self._sync(self.config, model, trigger=trigger, actor=f"rlops-hooks/{trigger}")
+            self._sync(self.config, model, trigger=trigger, actor=actor or f"rlops-hooks/{trigger}")
             self.metrics.syncs.labels(trigger, "ok").inc()
             self.last_ok_at, self.last_error = utc_now(), None
         except Exception as exc:  # noqa: BLE001 - an outage must not kill the loop; it is reported instead
@@ -177,6 +178,9 @@ def create_app(config: Config, reconciler: Reconciler, metrics: Metrics, clock: 
                          "register` gives MLflow), or set hooks.webhook_enabled: false")
     seen = SeenDeliveries(config.hooks.timestamp_tolerance_s)
     served = set(config.registry.models)
+    # Only the MLflow webhook holding hooks.secret can sign a delivery: that webhook is the move's origin
+    # (MLflow's payload does not say which user set the alias).
+    origin = f"webhook:{webhook_name(config)}"
 
     async def webhook(request: Request) -> Response:
         if not config.hooks.webhook_enabled:
@@ -195,7 +199,7 @@ def create_app(config: Config, reconciler: Reconciler, metrics: Metrics, clock: 
         if delivery.event not in ALIAS_EVENTS or delivery.model not in served:
             metrics.deliveries.labels("ignored").inc()
             return JSONResponse({"status": "ignored"})
-        reconciler.request(delivery.model, "webhook")
+        reconciler.request(delivery.model, "webhook", origin)
         metrics.deliveries.labels("accepted").inc()
         return JSONResponse({"status": "queued"}, status_code=202)
 

@@ -40,6 +40,7 @@ from registry_hooks.plan import (
     promotion_record,
     served_aliases,
     served_targets,
+    with_preview,
 )
 from rlops.config import Config, artifacts_s3_client_kwargs, s3_client_kwargs
 from rlops.layout import (
@@ -93,6 +94,7 @@ class SyncReport:
     bytes_copied: int = 0
     seconds: float = 0.0
     seconds_to_publish: float | None = None  # sync start -> manifest PUT done (None: nothing published)
+    verify: dict | None = None  # the live eval gate's figures (`--verify`)
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -326,6 +328,36 @@ class Promoter:
     def folder_complete(self, model: str, version: int) -> bool:
         prefix = self.location.key(version_folder(model, version))
         return ADAPTER_CONFIG in storage.list_folder(self.dest, self.location.bucket, prefix)
+
+    def publish_preview(self, model: str, version: int, *, alias: str, trigger: str, actor: str | None = None,
+                        reason: str | None = None) -> bool:
+        """Make `@v<version>` servable without moving an alias (a `preview` history entry, see plan.with_preview):
+        copy and verify its folder, then publish conditionally. True when a new manifest was published.
+        Raises Refused (folder being collected, another deployment's manifest) or InvalidAdapter."""
+        manifest, _ = storage.read_manifest(self.dest, self.location, model)
+        if version not in manifest.published_versions():
+            collecting = self.collecting_reason(manifest, version)
+            if collecting:
+                raise Refused(collecting)
+            self.prepare(model, version, collected=version in manifest.collected_versions())
+        for _ in range(MAX_ROUNDS):
+            manifest, etag = storage.read_manifest(self.dest, self.location, model)
+            self.check_owner(manifest)
+            new = with_preview(manifest, version, alias=alias, trigger=trigger, now=utc_now(), actor=actor,
+                               reason=reason, history_limit=self.config.registry.history_limit,
+                               owner=self.config.registry_owner)
+            if new is manifest:
+                return False
+            if self._may_be_collected(model, version):
+                self.prepare(model, version, collected=True)  # gc took the folder meanwhile: copy it again
+                continue
+            try:
+                storage.write_manifest(self.dest, self.location, new, etag)
+                return True
+            except storage.ManifestConflict:
+                continue
+        raise SyncConflict(f"publishing @v{version} of {model!r} did not converge after {MAX_ROUNDS} rounds: "
+                           "other writers kept publishing; rerun it")
 
     # ------------------------------------------------------------------------------------ whole model
 

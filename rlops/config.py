@@ -91,7 +91,8 @@ class ServerConfig(_Section):
     backend_store_uri: str | None = Field(None, description="default: sqlite in the data dir")
     artifacts_destination: str | None = Field(None, description="default: s3://<bucket>/mlflow-artifacts")
     workers: int = Field(1, ge=1, le=16)
-    auth: bool = False
+    auth: bool = Field(False, description="the tracking server requires MLflow basic auth (`rlops up` starts it so): "
+                       "promote records the authenticated user (MLFLOW_TRACKING_USERNAME) as the actor")
 
 
 class StorageConfig(_Section):
@@ -137,6 +138,9 @@ class RegistryConfig(_Section):
     guardrail_direction: Literal["higher", "lower"] = Field("higher", description="which way the eval metric is better")
     guardrail_min_delta: float = Field(0.0, description="a guarded move must beat the served version's metric by "
                                        "this much (negative: tolerated loss)")
+    guardrail_served_margin: float = Field(
+        0.0, ge=0, le=1, description="`promote --verify` refuses a guarded move whose solve rate served through the "
+        "endpoint is below its tracked one, or below the current target's served one, by more than this")
     copy_mode: Literal["auto", "server_side", "streaming", "proxy"] = Field(
         "auto", description="auto: copy_object when MLflow artifacts are in the same S3, streaming otherwise")
     artifacts_endpoint_url: str | None = Field(

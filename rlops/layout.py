@@ -47,7 +47,7 @@ EVAL_TABLE_DIR = "eval_tables"  # rewritten after every manifest write or delete
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ALLOWED_SUFFIXES = (".safetensors", ".json")
-SCHEMA_VERSION = 2  # 2: canaries, and history entries with from/weight/actor/reason (1 is still read)
+SCHEMA_VERSION = 2  # 2: canaries, history entries with from/weight/actor/reason, previews (1 is still read)
 CANARY_SUFFIX = "-canary"  # the registry alias `<alias>-canary` names the alias's canary version
 CANARY_WEIGHT_TAG = "rlops.canary_weight."  # + alias, on the registered model: the canary's share in percent
 
@@ -196,13 +196,15 @@ class CanaryRoute(AliasRoute):
 
 
 class HistoryEntry(_Strict):
-    """One published move. `weight` set: a canary started/reweighted at it; `event` says what happened."""
+    """One published move. `weight` set: a canary started/reweighted at it; `event` says what happened.
+    `preview`: the version was published as `@v<N>` only (no alias moved), for a live eval before a move
+    to `alias` (`promote --verify`); like every history entry it keeps `@v<N>` servable."""
 
     alias: str
     version: int = Field(ge=1)
     at: str
     trigger: str
-    event: Literal["move", "canary", "canary_promoted", "canary_aborted"] = "move"
+    event: Literal["move", "canary", "canary_promoted", "canary_aborted", "preview"] = "move"
     from_version: int | None = None
     weight: float | None = None
     actor: str | None = None

@@ -186,3 +186,59 @@ def test_watcher_windows_and_breaches():
     assert breach(slow, baseline, slo.model_copy(update={"min_p95_ms": 200})) is None
     restarted = window(then, now)[("m", "production", 1, False)]  # counters went down: the exporter restarted
     assert restarted.requests == 100
+
+
+def test_a_preview_publishes_at_v_n_alone_and_every_later_plan_keeps_it():
+    """`promote --verify` publishes the candidate as `@v<N>` (a `preview` entry): resolvable by its own name,
+    no alias moves, the reconciler's next plans keep it, gc keeps its folder, rollback ignores it."""
+    from datetime import datetime, timedelta, timezone
+
+    from registry_hooks.plan import referenced_folders, with_preview
+
+    t1, t2 = "2026-12-01T00:00:00.000Z", "2026-12-01T00:01:00.000Z"
+    m = plan(RoutesManifest(model="m"), Intent({"production": 1}), t1)
+    preview = with_preview(m, 3, alias="production", trigger="cli", now=t2, history_limit=50,
+                           actor="ana", reason="check v3")
+    assert preview.generation == m.generation + 1 and preview.aliases == m.aliases
+    entry = preview.history[-1]
+    assert (entry.event, entry.version, entry.from_version, entry.actor, entry.reason) == ("preview", 3, 1, "ana", "check v3")
+    assert with_preview(preview, 3, alias="production", trigger="cli", now="t3", history_limit=50) is preview
+    assert with_preview(m, 1, alias="production", trigger="cli", now="t3", history_limit=50) is m  # served already
+    ref = parse_model_name("base:m@v3")
+    assert resolve_model_name(ref, "base", {"m": preview}, ["production"]).folder == "m-v3"
+    with pytest.raises(Exception, match="never promoted"):
+        resolve_model_name(ref, "base", {"m": m}, ["production"])
+    assert plan(preview, Intent({"production": 1}), t2) is preview  # the reconciler has nothing to undo
+    moved = plan(preview, Intent({"production": 2}), t2)
+    assert 3 in moved.published_versions() and rollback_target(moved, "production") == 1
+    now = datetime(2026, 12, 1, 1, tzinfo=timezone.utc)
+    assert "m-v3" in referenced_folders([moved], {}, now, timedelta(days=1))
+
+
+def test_the_live_gate_refuses_below_tracked_or_current_by_more_than_the_margin():
+    from registry_hooks.plan import served_gate_refusal
+
+    def gate(served, tracked, current=None, margin=0.02):
+        return served_gate_refusal(3, served, tracked, current_version=1, current_served=current, margin=margin,
+                                   data_source="maze_2d/local7")
+
+    assert gate(0.50, 0.51) is None and gate(0.50, 0.50, current=0.52) is None
+    below_tracked = gate(0.40, 0.50)
+    assert "0.4000" in below_tracked and "tracked 0.5000" in below_tracked and "margin 0.02" in below_tracked
+    below_current = gate(0.50, 0.45, current=0.60)
+    assert "current v1's served 0.6000" in below_current and "tracked" not in below_current
+    assert "and" in gate(0.30, 0.50, current=0.60)
+    assert gate(0.30, 0.50, margin=0.25) is None
+
+
+def test_the_cli_actor_is_the_authenticated_mlflow_user_only_with_tracking_auth():
+    import getpass
+
+    from registry_hooks.cli import actor
+    from rlops.config import Config
+
+    with_auth = Config.model_validate({"server": {"auth": True}})
+    assert actor(with_auth, {"MLFLOW_TRACKING_USERNAME": "alice"}) == "alice"
+    # Without auth the name in the environment is free text: the OS user, marked as such.
+    assert actor(Config(), {"MLFLOW_TRACKING_USERNAME": "alice"}) == f"os:{getpass.getuser()}"
+    assert actor(with_auth, {}) == f"os:{getpass.getuser()}"

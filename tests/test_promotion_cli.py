@@ -1,6 +1,7 @@
 """The `promote` CLI end to end against the real stack: alias moves, guardrail, rollback, list/status, exit codes."""
 from __future__ import annotations
 
+import getpass
 import json
 import subprocess
 import sys
@@ -13,6 +14,9 @@ from registry_hooks.cli import main as promote_cli
 from rlops.layout import version_folder
 
 from conftest import write_config
+
+# The test stack runs without tracking auth: MLFLOW_TRACKING_USERNAME is free text then, the actor the OS user.
+ACTOR = f"os:{getpass.getuser()}"
 from test_promotion_support import (  # noqa: F401 - fixtures
     assert_manifest_consistent,
     lora_template,
@@ -61,7 +65,7 @@ def test_promote_cli_end_to_end(stack, test_config, mlflow_client, versions, cli
     manifest = assert_manifest_consistent(stack, test_config)
     assert manifest.aliases["production"].version == v2
     tags = mlflow_client.get_model_version(model, str(v2)).tags
-    assert tags["serving.promoted_by"] == "alice" and tags["serving.trigger"] == "cli"
+    assert tags["serving.promoted_by"] == ACTOR and tags["serving.trigger"] == "cli"
     assert tags["serving.folder"] == version_folder(model, v2)
 
     # Guardrail: v3 scores worse than production's v2 -> refused (exit 4), alias untouched; --force passes.
@@ -70,7 +74,7 @@ def test_promote_cli_end_to_end(stack, test_config, mlflow_client, versions, cli
     assert mlflow_client.get_model_version_by_alias(model, "production").version == str(v2)
     code, _, _ = cli(model, "--version", str(v3), "--to", "production", "--force")
     assert code == 0 and read_manifest(stack, test_config).aliases["production"].version == v3
-    assert mlflow_client.get_model_version(model, str(v3)).tags["rlops.force"].startswith("alice at ")
+    assert mlflow_client.get_model_version(model, str(v3)).tags["rlops.force"].startswith(f"{ACTOR} at ")
 
     # Rollback: registry alias first (so the reconciler keeps it), then the manifest.
     code, out, _ = cli("rollback", model, "--json")
@@ -182,7 +186,7 @@ def test_two_deployments_on_one_prefix_never_remove_each_others_routes(stack, te
     code, out, _ = promote(typo, "retire", model_a, "--dry-run", name="typo")
     assert code == 0 and "would unpublish" in out and read_manifest(stack, a) is not None
     code, out, _ = promote(typo, "retire", model_a, "--json", name="typo")
-    assert code == 0 and json.loads(out)["retired_by"] == "alice"
+    assert code == 0 and json.loads(out)["retired_by"] == ACTOR
     assert read_manifest(stack, a) is None and read_manifest(stack, b, b.registry.models[0]) is not None
     record = status_record(stack, a, f"retired-{model_a}")
     assert record["served"] and record["owner"] == "deploy-a"
@@ -243,9 +247,9 @@ def test_canary_cli_reweight_abort_promote_and_history(stack, test_config, mlflo
     entries = json.loads(out)
     assert code == 0
     assert [(e["event"], e["version"], e["from_version"], e["weight"], e["actor"], e["reason"]) for e in entries] == [
-        ("move", v1, None, None, "alice", None), ("canary", v2, v1, 10, "alice", "first look"),
-        ("canary", v2, v1, 30, "alice", None), ("canary_aborted", v2, v2, 0, "alice", "looked wrong"),
-        ("canary", v2, v1, 50, "alice", None), ("canary_promoted", v2, v1, None, "alice", "good numbers")]
+        ("move", v1, None, None, ACTOR, None), ("canary", v2, v1, 10, ACTOR, "first look"),
+        ("canary", v2, v1, 30, ACTOR, None), ("canary_aborted", v2, v2, 0, ACTOR, "looked wrong"),
+        ("canary", v2, v1, 50, ACTOR, None), ("canary_promoted", v2, v1, None, ACTOR, "good numbers")]
     assert all(e["trigger"] == "cli" and e["eval"] for e in entries)
     code, out, _ = cli("history", model)
     assert code == 0 and f"v{v1} -> v{v2} (canary promoted)" in out and "reason: good numbers" in out

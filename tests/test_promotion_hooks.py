@@ -305,3 +305,58 @@ def test_reconciler_converges_a_canary_set_in_the_registry(stack, test_config, m
     assert operations.status(cfg)["in_sync"]
     triggers = {(h.event, h.trigger) for h in read_manifest(stack, cfg).history}
     assert ("canary", "reconciler") in triggers
+
+
+def test_history_after_cli_webhook_and_watcher_moves_names_each_actor(stack, test_config, mlflow_client, hooks_service,
+                                                                     version, tmp_path):
+    """`promote history` after a CLI move and canary, a move that reached serving through an HMAC-signed webhook
+    delivery, and a watcher abort: each entry says its trigger and who moved (the CLI's OS user without tracking
+    auth, the webhook's signed origin, the watcher), with the reasons. The watcher reads its metrics from a
+    fixed Prometheus text here (the real scrape and breach are in test_serving_app)."""
+    import getpass
+
+    from registry_hooks.watcher import CanaryWatcher
+    from rlops.config import CanarySLO
+
+    cfg, reconciler, metrics, url = hooks_service(reconcile_interval_s=0)
+    model = cfg.registry.models[0]
+    v1, v2 = version(1), version(2)
+    path = write_config(tmp_path / "mlflow.yaml", cfg.model_dump(exclude_none=True))
+
+    def cli(*args: str):
+        result = CliRunner().invoke(promote_cli, ["--config", str(path), *args], env={"MLFLOW_TRACKING_USERNAME": "eve"})
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    cli(model, "--version", str(v1), "--to", "production", "--reason", "first")
+    cli("canary", model, "--version", str(v2), "--weight", "50", "--reason", "try v2")
+    mlflow_client.set_registered_model_alias(model, "staging", str(v2))
+    body = json.dumps({"entity": "model_version_alias", "action": "created", "timestamp": "now",
+                       "data": {"name": model, "alias": "staging", "version": str(v2)}}).encode()
+    ts, delivery = str(int(time.time())), "d-" + uuid.uuid4().hex
+    posted = httpx.post(f"{url}/webhook", content=body, timeout=5, headers={
+        "X-MLflow-Delivery-Id": delivery, "X-MLflow-Timestamp": ts, "X-MLflow-Signature": sign(cfg.hooks.secret, delivery, ts, body)})
+    assert posted.status_code == 202, posted.text
+    assert wait_for(lambda: served(stack, cfg, "staging") == v2, 15)
+
+    labels = f'registered_model="{model}",alias="production",endpoint="chat"'
+    scrapes = iter([
+        "",
+        f'ray_rlops_serving_requests_total{{{labels},version="{v1}",canary="false"}} 30\n'
+        f'ray_rlops_serving_requests_total{{{labels},version="{v2}",canary="true"}} 30\n'
+        f'ray_rlops_serving_errors_total{{{labels},version="{v2}",canary="true",status="500"}} 12\n'])
+    watched = cfg.model_copy(deep=True)
+    watched.registry.canary.slo = CanarySLO(window_s=20, min_requests=10)
+    clock = iter([0.0, 5.0])
+    watcher = CanaryWatcher(watched, scrape=lambda: next(scrapes), clock=lambda: next(clock))
+    assert watcher.tick() == [] and len(watcher.tick()) == 1
+
+    entries = json.loads(cli("history", model, "--json"))
+    actor = f"os:{getpass.getuser()}"
+    assert [(e["alias"], e["event"], e["version"], e["trigger"], e["actor"]) for e in entries] == [
+        ("production", "move", v1, "cli", actor), ("production", "canary", v2, "cli", actor),
+        ("staging", "move", v2, "webhook", f"webhook:{webhook_name(cfg)}"),
+        ("production", "canary_aborted", v2, "watcher", "rlops-hooks/watcher")]
+    assert [e["reason"] for e in entries][:3] == ["first", "try v2", None] and "error rate 40.0%" in entries[3]["reason"]
+    shown = cli("history", model, "--alias", "production")
+    assert f"canary v{v2} dropped" in shown and "rlops-hooks/watcher" in shown and "webhook:" not in shown

@@ -810,3 +810,82 @@ def test_watcher_aborts_a_failing_canary_within_the_window(served: ServedApp, st
     assert [e["event"] for e in shown][-2:] == ["canary", "canary_aborted"] and shown[-2]["reason"] == "try v3"
     print(f"\nwatcher: first failure -> last failure {last_bad - min(failures):.1f} s, "
           f"{len(failures)} failed canary requests, window {config.registry.canary.slo.window_s:g} s")
+
+
+def test_verify_gate_publishes_the_candidate_as_v_n_and_refuses_a_worse_served_score(served: ServedApp, tmp_path):
+    """`promote --verify`: the candidate is published as `@v<N>` (no alias moves), 8 eval mazes replayed through
+    the endpoint for it and for production's v1; a tracked 1.0 the endpoint does not reproduce is refused
+    (exit 4, the numbers named, production untouched, `@v<N>` still served, figures logged); `canary --verify`
+    within a wide margin passes and starts the canary."""
+    import mlflow
+    from click.testing import CliRunner
+
+    from registry_hooks import operations, storage
+    from registry_hooks.cli import main as promote_cli
+    from registry_hooks.parity import SERVED_METRIC
+    from registry_hooks.sync import Promoter
+    from rlops.layout import parse_s3_uri
+    from tracker.evals import table_artifact
+    from training.datasets import local_eval_set
+
+    from conftest import write_config
+
+    client = mlflow.MlflowClient(tracking_uri=served.config.tracking_uri, registry_uri=served.config.tracking_uri)
+    data_source, seeds = local_eval_set(served.config.training.local.eval_size).data_source, list(range(8))
+
+    def track(version: int, solved: bool) -> str:
+        """Log the per-maze eval table the tracker would have logged for the version's checkpoint."""
+        mv = client.get_model_version(served.model, str(version))
+        logged = client.get_logged_model(mv.model_id or mv.source.removeprefix("models:/"))
+        client.log_table(logged.source_run_id, {"seed": seeds, "solved": [solved] * len(seeds)},
+                         table_artifact(data_source, int(logged.tags["rlops.step"])))
+        return logged.model_id
+
+    served.move_alias("production", 1)
+    track(1, False)
+    candidate = register_adapter(served.config, served.adapters[2], step=7)
+    candidate_model_id = track(candidate, True)  # a claim the endpoint will not reproduce
+    path = write_config(tmp_path / "mlflow.yaml", served.config.model_dump(exclude_none=True))
+
+    def cli(*args: str, **env: str):
+        result = CliRunner().invoke(promote_cli, ["--config", str(path), *args], env={API_KEY_ENV: API_KEY, **env})
+        return result.exit_code, result.stdout, result.stderr
+
+    started = time.monotonic()
+    with served.lock:
+        code, _, err = cli(served.model, "--version", str(candidate), "--to", "production", "--verify",
+                           "--reason", "gate it")
+    refused_s = time.monotonic() - started
+    assert code == 4, err
+    assert f"live eval: v{candidate} served a solve rate of" in err and "below its tracked 1.0000" in err, err
+    assert "margin 0" in err and "production stays at v1" in err
+    assert client.get_model_version_by_alias(served.model, "production").version == "1"
+    manifest = storage.read_manifest(Promoter(served.config).dest, parse_s3_uri(served.config.lora_path), served.model)[0]
+    assert manifest.aliases["production"].version == 1
+    assert (manifest.history[-1].event, manifest.history[-1].version, manifest.history[-1].reason) == \
+        ("preview", candidate, "gate it")
+    r = httpx.post(f"{served.url}/v1/chat/completions", headers=served.headers(), timeout=60, json={
+        "model": served.name(f"@v{candidate}"), "messages": [{"role": "user", "content": "move"}], "max_tokens": 1})
+    assert r.status_code == 200 and r.headers["x-rlops-model-version"] == str(candidate)
+    logged = client.get_logged_model(candidate_model_id)
+    assert any(m.key == SERVED_METRIC.format(data_source=data_source) for m in logged.metrics or [])
+    tags = client.get_model_version(served.model, str(candidate)).tags
+    assert "live eval" in tags["serving.refused"] and "tracked 1.0000" in tags["serving.verified"]
+
+    started = time.monotonic()
+    with served.lock:
+        code, out, err = cli("canary", served.model, "--version", str(candidate), "--weight", "10", "--verify", "--json",
+                             RLOPS_REGISTRY__GUARDRAIL_SERVED_MARGIN="1")
+    passed_s = time.monotonic() - started
+    try:
+        assert code == 0, err
+        figures = json.loads(out)["verify"]
+        assert figures["served_name"] == served.name(f"@v{candidate}") and figures["mazes"] == len(seeds)
+        assert figures["tracked_solve_rate"] == 1.0 and figures["current_version"] == 1
+        assert figures["current_served_solve_rate"] is not None and figures["refusal"] is None  # margin 1
+        assert json.loads(out)["canaries"]["production"] == {"version": candidate, "weight": 10}
+    finally:
+        with served.lock, contextlib.suppress(operations.NotFound):
+            operations.canary(served.config, served.model, alias="production", abort=True, trigger="test")
+    print(f"\nverify gate: refused in {refused_s:.1f} s, passed (canary) in {passed_s:.1f} s, "
+          f"{len(seeds)} mazes per version")
