@@ -360,3 +360,6 @@ def test_history_after_cli_webhook_and_watcher_moves_names_each_actor(stack, tes
     assert [e["reason"] for e in entries][:3] == ["first", "try v2", None] and "error rate 40.0%" in entries[3]["reason"]
     shown = cli("history", model, "--alias", "production")
     assert f"canary v{v2} dropped" in shown and "rlops-hooks/watcher" in shown and "webhook:" not in shown
+    everything = cli("history", model)
+    assert all(trigger in everything for trigger in ("cli", "webhook", "watcher"))
+    print(everything)  # the README's sample is this output
