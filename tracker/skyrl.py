@@ -6,9 +6,14 @@ run state through the fluent API, (b) log the raw config as params (unredacted, 
 on resume), (c) log every payload a second time, synchronously, and (d) end the run FINISHED from
 `Tracking.finish()`/`__del__` even after a crash. Metrics reach MLflow once, through `on_log`.
 
+At each eval, `on_eval_end` reads the trajectories SkyRL's evaluate() dumped (`trainer.dump_eval_results`):
+the per-maze table registration compares, and the first `tracking.sample_mazes` of them as the run's sample
+table (`eval/samples/step_N.json` + grid), with the task's own columns (`task_columns`) first. In a Ray job,
+system metrics are per node (`tracker.ray_nodes`).
+
 Usage (what `training/skyrl_main.py` needs):
 
-    exp = TrackedPPOExp(skyrl_cfg, rlops_config)     # instead of BasePPOExp(skyrl_cfg)
+    exp = TrackedPPOExp(skyrl_cfg, rlops_config, task_columns=...)  # instead of BasePPOExp(skyrl_cfg)
     exp.run()                                         # FINISHED / FAILED / KILLED like RunSession
 
 Importing this module imports SkyRL; the rest of `tracker/` never does.
