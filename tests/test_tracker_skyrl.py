@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 from unittest.mock import AsyncMock, MagicMock
 
 import pytest
 
-from test_tracker_support import make_peft_adapter, metric_history
+from test_tracker_support import logged_table, make_peft_adapter, metric_history
 from tracker import RunSession
 from tracker.checkpoints import TAG_STEP
+from training import datasets as ds
+from training.maze import AGENT_RGB, CELL_PX, DIRECTION_WORDS, generate_maze, solve
 
 skyrl_tracker = pytest.importorskip("tracker.skyrl")
 
 import torch  # noqa: E402
+from PIL import Image  # noqa: E402
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch  # noqa: E402
 from skyrl.train.config import (  # noqa: E402
     AlgorithmConfig, DataConfig, DataLoaderConfig, GeneratorConfig, InferenceEngineConfig, SamplingParams,
     SkyRLTrainConfig, TrainerConfig)
-from skyrl.train.utils.callbacks import TrainingCallback  # noqa: E402
-from skyrl.train.utils.trainer_utils import cleanup_old_checkpoints  # noqa: E402
+from skyrl.train.utils.callbacks import CallbackInput, TrainingCallback  # noqa: E402
+from skyrl.train.utils.trainer_utils import cleanup_old_checkpoints, dump_per_dataset_eval_results  # noqa: E402
+from training.skyrl_env import ASSISTANT_HEADER, TURN_END, eval_sample_columns  # noqa: E402
 
 DATA_SOURCE = "maze_2d/local7"
 SCORES = {0: 0.1, 2: 0.6, 3: 0.4}  # eval solve rate per step: step 2's checkpoint is the best
@@ -144,6 +149,7 @@ def tracked_exp(monkeypatch, cfg, rlops_config, adapter: Path, *, fail_at_step: 
     BasePPOExp.__init__ loads an HF tokenizer and datasets; the experiment's own code is what is under test."""
     exp = skyrl_tracker.TrackedPPOExp.__new__(skyrl_tracker.TrackedPPOExp)
     exp.cfg, exp.rlops_config, exp.eval_data_source, exp.session = cfg, rlops_config, None, None
+    exp.task_columns, exp.node_monitors = None, None
     exp.run_dir = skyrl_tracker.tracker_run_dir(cfg, rlops_config)
 
     def setup_trainer():  # BasePPOExp._setup_trainer minus model building: get_tracker, then get_trainer
@@ -286,3 +292,72 @@ def test_a_remote_ckpt_path_keeps_the_tracker_state_in_a_local_folder_keyed_by_i
         assert session.checkpoint_steps == frozenset()
     assert (first / ".rlops-tracker" / "run.json").is_file()
     assert not [p for root in (tmp_path, first) for p in root.rglob("s3:*")]
+
+
+class TextTokenizer:
+    """Decodes ids into the pieces of a Qwen-format multi-turn transcript (what dump_per_dataset_eval_results
+    calls on SkyRL's tokenizer)."""
+
+    def __init__(self):
+        self.pieces: list[str] = []
+
+    def encode(self, pieces: list[str]) -> list[int]:
+        for piece in pieces:
+            if piece not in self.pieces:
+                self.pieces.append(piece)
+        return [self.pieces.index(piece) for piece in pieces]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_skyrl_eval_trajectories_land_as_the_sample_table_with_maze_images(test_config, tmp_path, mlflow_client):
+    """What SkyRL hands over at eval time: on_eval_end's CallbackInput (metrics) and the trajectories its
+    evaluate() dumps with its own dump_per_dataset_eval_results (decoded multi-turn responses)."""
+    test_config.tracking.sample_mazes = 2
+    export = tmp_path / "export"
+    mazes = [generate_maze(seed, 7) for seed in (0, 1, 2)]
+    tokenizer = TextTokenizer()
+    turn_end_observation = [TURN_END, "\n<|im_start|>user\n", *["<|image_pad|>"] * 50, "Action executed successfully.",
+                            TURN_END, "\n", ASSISTANT_HEADER]
+
+    def transcript(answers: list[str]) -> list[int]:
+        pieces = []
+        for i, answer in enumerate(answers):
+            pieces += [answer] + (turn_end_observation if i < len(answers) - 1 else [TURN_END])
+        return tokenizer.encode(pieces)
+
+    solved_answers = [DIRECTION_WORDS[d] for d in solve(mazes[0])] + ["stop"]
+    answers = [solved_answers, ["I think left", "('move', 3)", "stop"], ["up"]]
+    rewards = [1.0, 0.0, 0.0]
+    extras = [{k: v for k, v in ds.skyrl_row(m, DATA_SOURCE, "eval").items() if k not in ("prompt", "env_class")}
+              for m in mazes]
+    folder = export / "dumped_evals" / "global_step_2_evals"
+    folder.mkdir(parents=True)
+    outputs = {"prompt_token_ids": [tokenizer.encode(["<|vision_start|>", *["<|image_pad|>"] * 80, "Navigate."])] * 3,
+               "response_ids": [transcript(a) for a in answers], "rewards": rewards, "stop_reasons": ["stop"] * 3}
+    metrics = {f"eval/{DATA_SOURCE}/avg_score": 1 / 3}
+    dump_per_dataset_eval_results(folder, tokenizer, outputs, [DATA_SOURCE] * 3, ["visgym"] * 3, extras, metrics)
+
+    trainer = SimpleNamespace(cfg=SimpleNamespace(trainer=SimpleNamespace(export_path=str(export))))
+    with RunSession.start(test_config, tmp_path / "run") as session:
+        callback = skyrl_tracker.TrackerCallback(session, register_best=False, task_columns=eval_sample_columns)
+        callback.on_eval_end(trainer, CallbackInput(global_step=2, epoch=0, total_steps=3, steps_per_epoch=3,
+                                                    metrics=metrics), None)
+        blocked_s = callback.blocking_s
+    table = logged_table(mlflow_client, session.run_id, "eval/samples/step_2.json", tmp_path)
+    assert list(table[0]) == ["image", "moves", "seed", "prompt", "completion", "reward", "solved", "data_source"]
+    assert [(r["seed"], r["moves"], r["reward"], r["solved"]) for r in table] == [
+        (0, " ".join(solved_answers), 1.0, True), (1, "? down stop", 0.0, False)]  # the bound: 2 of 3
+    assert table[0]["prompt"] == "<|vision_start|><|image_pad|>Navigate."  # the image's pad tokens shown once
+    assert table[1]["completion"].startswith("I think left<|im_end|>\n<|im_start|>user\n<|image_pad|>Action")
+    images = {f.path for f in mlflow_client.list_artifacts(session.run_id, "table_images/eval/samples/step_2")}
+    assert all(r["image"]["type"] == "image" and r["image"]["filepath"] in images for r in table)
+    # the maze as the policy's turns left it: the solved one's agent stands on the target
+    solved_image = mlflow_client.download_artifacts(session.run_id, table[0]["image"]["filepath"], str(tmp_path))
+    with Image.open(solved_image) as im:
+        (gr, gc), middle = mazes[0].goal, CELL_PX // 2
+        assert im.convert("RGB").getpixel((gc * CELL_PX + middle, gr * CELL_PX + middle)) == AGENT_RGB
+    files = {f.path for f in mlflow_client.list_artifacts(session.run_id, "eval/samples")}
+    assert files == {"eval/samples/step_2.json", "eval/samples/step_2.png"}
+    assert blocked_s < 1.0  # rendering and uploads ran on the sample thread

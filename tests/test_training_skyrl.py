@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,7 @@ def _skyrl_cfg(skyrl_data, **extra):
     return build_skyrl_config(overrides)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def local_ray():
     import ray
 
@@ -85,6 +86,7 @@ def local_ray():
 
 def test_experiment_builds_trainer_with_callback_then_stops_at_gpu_placement(skyrl_data, test_config, mlflow_client,
                                                                            local_ray, monkeypatch):
+    import ray
     import skyrl.train.trainer as skyrl_trainer
     # The FSDP workers import flash-attn (a GPU-only build); placement only needs their base classes.
     from skyrl.backends.skyrl_train.workers.worker import CriticWorkerBase, PolicyWorkerBase, RefWorkerBase
@@ -98,8 +100,10 @@ def test_experiment_builds_trainer_with_callback_then_stops_at_gpu_placement(sky
 
     # Without colocation, building the experiment needs no GPU: our run starts, the real trainer is built
     # with our callback attached, and the first failure is the policy workers' GPU placement group.
+    test_config.tracking.system_metrics_interval_s = 0.5
     exp = TrackedPPOExp(_skyrl_cfg(skyrl_data, **{"trainer.placement.colocate_all": "false"}), test_config)
     tracker = exp.get_tracker()
+    assert exp.node_monitors.actors == []  # one Ray node: the session's own monitor is that node's
     trainer = exp.get_trainer(exp.cfg, tracker, exp.tokenizer, exp.train_dataset, exp.eval_dataset,
                               inference_engine_client=None, generator=None, colocate_pg=None)
     assert isinstance(trainer, TrackedRayPPOTrainer) and trainer.rlops_session is exp.session
@@ -114,6 +118,26 @@ def test_experiment_builds_trainer_with_callback_then_stops_at_gpu_placement(sky
     exp.session.fail(RuntimeError("no GPU"))
     run = mlflow_client.get_run(exp.session.run_id)
     assert run.info.status == "FAILED" and run.data.tags["rlops.trainer"] == "skyrl"
+    node = ray.get_runtime_context().get_node_id()
+    assert run.data.tags[f"rlops.ray_node.{node[:8]}"].endswith(node)
+    assert any(key.startswith(f"system/{node[:8]}/") for key in run.data.metrics)
+
+
+def test_each_ray_node_s_system_metrics_land_under_its_node_id(local_ray, test_config, mlflow_client):
+    from tracker.ray_nodes import NodeMonitors, cluster
+
+    nodes, here = cluster()
+    assert [n.label for n in nodes] == [here] and nodes[0].ip
+    run_id = mlflow_client.create_run(mlflow_client.create_experiment(test_config.tracking.experiment)).info.run_id
+    # the only node here stands for a remote one: its monitor runs in an actor pinned to it
+    monitors = NodeMonitors.start(nodes, run_id, test_config.tracking_uri, 0.5, resume=False)
+    key = f"system/{here}/cpu_utilization_percentage"
+    deadline = time.monotonic() + 60
+    while key not in mlflow_client.get_run(run_id).data.metrics and time.monotonic() < deadline:
+        time.sleep(0.5)
+    monitors.stop()
+    assert key in mlflow_client.get_run(run_id).data.metrics
+    assert monitors.actors == []
 
 
 def test_train_job_submits_recipe_and_env_without_secrets_on_the_command_line(tmp_path):

@@ -45,7 +45,7 @@ class RunSession:
 
     def __init__(self, config: Config, run_dir: Path, client: MlflowClient, run_id: str, experiment_id: str,
                  model_tags: dict[str, str], lock: RunDirLock, *, live: bool = True,
-                 archived: Path | None = None):
+                 archived: Path | None = None, system_node_id: str | None = None):
         self.config = config
         self.run_dir = Path(run_dir)
         self.archived = archived  # where the run dir's previous (finished) run was moved, if any
@@ -83,7 +83,8 @@ class RunSession:
             return
         self._samples = SampleUploader(client, run_id, max_backoff_s=config.tracking.retry_max_backoff_s)
         self._system = system.start(run_id, config.tracking_uri, config.tracking.system_metrics_interval_s,
-                                    enabled=config.tracking.system_metrics, resume=self.resumed_after_step >= 0)
+                                    enabled=config.tracking.system_metrics, resume=self.resumed_after_step >= 0,
+                                    node_id=system_node_id)
         state.clear_intended_end(self.run_dir)  # this session decides the end now
         self._heartbeat = Heartbeat(self._rest, run_id, config.tracking.heartbeat_interval_s)
         # An interpreter exit without finish(): still land what is spooled (bounded); the run stays RUNNING
@@ -95,9 +96,10 @@ class RunSession:
     @classmethod
     def start(cls, config: Config, run_dir: Path, *, params: Mapping[str, Any] = {}, tags: Mapping[str, str] = {},
               run_name: str | None = None, resume: bool | None = None,
-              datasets: Sequence[DatasetRef] = ()) -> "RunSession":
+              datasets: Sequence[DatasetRef] = (), system_node_id: str | None = None) -> "RunSession":
         """Start a run, or continue the one stored in `run_dir` (the trainer's output dir). `datasets`: the
         train/eval sets, logged as run inputs; eval points of a listed eval set are linked to it.
+        `system_node_id`: this machine's name in the system metrics (`system/<id>/...`) of a multi-node job.
 
         `resume=None`: continue a stored run unless it FINISHED (then a new run starts and the finished
         one's state moves to `<run_dir>/previous-<run_id>/`); True: always continue it; False: always a
@@ -114,7 +116,8 @@ class RunSession:
         lock = RunDirLock(run_dir, config.tracking.lock_lease_s)
         lock.acquire()
         try:
-            session = cls._start_locked(config, run_dir, lock, params, tags, run_name, resume, datasets)
+            session = cls._start_locked(config, run_dir, lock, params, tags, run_name, resume, datasets,
+                                        system_node_id)
         except BaseException:
             lock.release()
             raise
@@ -123,11 +126,11 @@ class RunSession:
 
     @classmethod
     def _start_locked(cls, config, run_dir: Path, lock: RunDirLock, params, tags, run_name, resume,
-                      datasets) -> "RunSession":
+                      datasets, system_node_id) -> "RunSession":
         opened = run_start.open_run(config, run_dir, params, tags, run_name, resume, datasets=datasets,
                                     drain_stored=lambda: cls._drain_stored(config, run_dir, lock))
         session = cls(config, run_dir, opened.client, opened.run_id, opened.experiment_id, opened.model_tags, lock,
-                      archived=opened.archived)
+                      archived=opened.archived, system_node_id=system_node_id)
         if session.resumed_after_step >= 0:
             try:
                 session._rest.set_tags(session.run_id,

@@ -6,9 +6,14 @@ run state through the fluent API, (b) log the raw config as params (unredacted, 
 on resume), (c) log every payload a second time, synchronously, and (d) end the run FINISHED from
 `Tracking.finish()`/`__del__` even after a crash. Metrics reach MLflow once, through `on_log`.
 
+At each eval, `on_eval_end` reads the trajectories SkyRL's evaluate() dumped (`trainer.dump_eval_results`):
+the per-maze table registration compares, and the first `tracking.sample_mazes` of them as the run's sample
+table (`eval/samples/step_N.json` + grid), with the task's own columns (`task_columns`) first. In a Ray job,
+system metrics are per node (`tracker.ray_nodes`).
+
 Usage (what `training/skyrl_main.py` needs):
 
-    exp = TrackedPPOExp(skyrl_cfg, rlops_config)     # instead of BasePPOExp(skyrl_cfg)
+    exp = TrackedPPOExp(skyrl_cfg, rlops_config, task_columns=...)  # instead of BasePPOExp(skyrl_cfg)
     exp.run()                                         # FINISHED / FAILED / KILLED like RunSession
 
 Importing this module imports SkyRL; the rest of `tracker/` never does.
@@ -19,9 +24,10 @@ import functools
 import json
 import logging
 import numbers
+import re
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from skyrl.train.entrypoints.main_base import BasePPOExp
 from skyrl.train.trainer import RayPPOTrainer
@@ -30,6 +36,7 @@ from skyrl.train.utils.tracking import Tracking, _compute_mlflow_params_from_obj
 
 from rlops.config import Config
 from rlops.layout import ADAPTER_CONFIG, TAG_BASE_MODEL, TAG_LORA_RANK
+from tracker import ray_nodes
 from tracker import state as tracker_state
 from tracker.session import RunSession
 
@@ -38,6 +45,10 @@ log = logging.getLogger(__name__)
 LORA_ADAPTER_DIR = Path("policy") / "lora_adapter"  # inside `global_step_N/`
 EVAL_PREFIX = "eval/"
 BLOCKING_METRIC = "tracker/blocking_s"
+SAMPLE_TEXT_CHARS = 4000
+REPEATED_SPECIAL_TOKEN = re.compile(r"(<\|[^|<>]{1,40}\|>)(?:\1)+")
+# A task's own sample columns from one dumped eval trajectory (the maze's: training.skyrl_env.eval_sample_columns)
+TaskColumns = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
 
 def numeric(payload: Mapping[str, Any]) -> dict[str, float]:
@@ -118,12 +129,14 @@ class TrackerCallback(TrainingCallback):
     also logs BLOCKING_METRIC: seconds the loop spent in these hooks since the previous step's log (the
     last log call of a step counts in the next one)."""
 
-    def __init__(self, session: RunSession, *, register_best: bool = True, eval_data_source: str | None = None):
+    def __init__(self, session: RunSession, *, register_best: bool = True, eval_data_source: str | None = None,
+                 task_columns: TaskColumns | None = None):
         if not isinstance(session, RunSession):
             raise TypeError(f"TrackerCallback needs a tracker.RunSession, got {type(session).__name__}")
         self.session = session
         self.register_best = register_best
         self.eval_data_source = eval_data_source
+        self.task_columns = task_columns
         self._eval_step: int | None = None  # the step of the last on_eval_end
         self.blocking_s = 0.0
         self.entered = 0.0
@@ -162,9 +175,18 @@ class TrackerCallback(TrainingCallback):
         step = callback_input.global_step
         if metrics:
             self.session.log_eval_metrics(metrics, step=step)
+        entries = dumped_evals(trainer.cfg.trainer.export_path, step)
         # the per-maze outcomes too, which registration compares with the base's (the step-0 eval)
-        for data_source, rows in dumped_eval_rows(trainer.cfg.trainer.export_path, step).items():
+        for data_source, rows in dumped_eval_rows(entries).items():
             self.session.log_eval_table(data_source, rows, step)
+        # what the policy answered: the first `sample_mazes` trajectories (the session bounds it too; slicing
+        # first keeps the task columns' work on this thread to that many)
+        try:
+            samples = eval_samples(entries[:self.session.config.tracking.sample_mazes], self.task_columns)
+            if samples:
+                self.session.log_samples(samples, step=step)
+        except Exception as exc:  # noqa: BLE001 - samples are for looking at: never a reason to stop training
+            log.warning("step %s: eval samples not logged: %s", step, exc)
 
     @blocking
     def on_save(self, trainer, callback_input, control) -> None:
@@ -175,25 +197,63 @@ class TrackerCallback(TrainingCallback):
             self.session.register_best(self.eval_data_source)
 
 
-def dumped_eval_rows(export_path: str | None, step: int) -> dict[str, list[dict]]:
-    """Per-maze rows of the eval SkyRL dumped at `step` (`trainer.dump_eval_results`, on by default:
-    `<export_path>/dumped_evals/global_step_<step>_evals/<data_source>.jsonl`), by data source. A maze is
-    solved when its reward is 1 (the VisGym task reward); rows without a maze seed are skipped."""
+def dumped_evals(export_path: str | None, step: int) -> list[dict]:
+    """The trajectories of the eval SkyRL dumped at `step` (`trainer.dump_eval_results`, on by default:
+    `<export_path>/dumped_evals/global_step_<step>_evals/<data_source>.jsonl`, one entry per trajectory:
+    decoded `input_prompt` and `output_response`, `score`, `env_extras`, `data_source`). Entries without
+    a maze seed are skipped, and so is the aggregated-metrics file (no data source)."""
     folder = Path(export_path or "") / "dumped_evals" / f"global_step_{step}_evals"
     if not export_path or "://" in str(export_path) or not folder.is_dir():
-        return {}
-    rows: dict[str, list[dict]] = {}
+        return []
+    entries = []
     for path in sorted(folder.glob("*.jsonl")):
         for line in path.read_text().splitlines():
             entry = json.loads(line) if line.strip() else {}
-            extras = entry.get("env_extras") or {}
-            seed = (extras.get("extra_info") or extras).get("seed")
-            if seed is None or "data_source" not in entry:
-                continue
-            score = entry.get("score")
-            reward = sum(score) if isinstance(score, list) else float(score or 0.0)
-            rows.setdefault(entry["data_source"], []).append(
-                {"seed": int(seed), "solved": reward >= 1.0, "steps": None, "final_distance": None})
+            if "data_source" in entry and entry_seed(entry) is not None:
+                entries.append(entry)
+    return entries
+
+
+def entry_seed(entry: Mapping[str, Any]) -> int | None:
+    extras = entry.get("env_extras") or {}
+    seed = (extras.get("extra_info") or extras).get("seed")
+    return None if seed is None else int(seed)
+
+
+def entry_reward(entry: Mapping[str, Any]) -> float:
+    """A trajectory's reward: SkyRL dumps a float, or per-token rewards (a list) for multi-turn envs."""
+    score = entry.get("score")
+    return float(sum(score)) if isinstance(score, list) else float(score or 0.0)
+
+
+def dumped_eval_rows(entries: list[dict]) -> dict[str, list[dict]]:
+    """Per-maze rows of dumped eval trajectories, by data source. A maze is solved when its reward is 1
+    (the VisGym task reward)."""
+    rows: dict[str, list[dict]] = {}
+    for entry in entries:
+        rows.setdefault(entry["data_source"], []).append(
+            {"seed": entry_seed(entry), "solved": entry_reward(entry) >= 1.0, "steps": None, "final_distance": None})
+    return rows
+
+
+def readable(text: Any) -> str:
+    """Decoded model text for a table cell: a run of one special token (the hundreds of `<|image_pad|>`
+    of an image) shown once, and at most SAMPLE_TEXT_CHARS characters."""
+    text = REPEATED_SPECIAL_TOKEN.sub(r"\1", str(text or ""))
+    return text if len(text) <= SAMPLE_TEXT_CHARS else text[:SAMPLE_TEXT_CHARS] + " [...]"
+
+
+def eval_samples(entries: list[dict], task_columns: TaskColumns | None) -> list[dict]:
+    """Sample-table rows of dumped eval trajectories: prompt, completion, reward, solved, seed and data
+    source, with the task's own columns first (`task_columns(entry)`: e.g. the maze image and the
+    parsed moves; the same keys for every entry)."""
+    rows = []
+    for entry in entries:
+        reward = entry_reward(entry)
+        rows.append({**(task_columns(entry) if task_columns else {}), "seed": entry_seed(entry),
+                     "prompt": readable(entry.get("input_prompt")),
+                     "completion": readable(entry.get("output_response")),
+                     "reward": reward, "solved": reward >= 1.0, "data_source": entry["data_source"]})
     return rows
 
 
@@ -253,19 +313,28 @@ class TrackedPPOExp(BasePPOExp):
     step (steps the resumed trainer replays are logged once)."""
 
     def __init__(self, cfg: Any, rlops_config: Config, *, run_dir: Path | None = None,
-                 eval_data_source: str | None = None):
+                 eval_data_source: str | None = None, task_columns: TaskColumns | None = None):
         if not isinstance(rlops_config, Config):
             raise TypeError(f"rlops_config must be rlops.config.Config, got {type(rlops_config).__name__}")
         super().__init__(cfg)
         self.rlops_config = rlops_config
         self.run_dir = Path(run_dir) if run_dir else tracker_run_dir(cfg, rlops_config)
         self.eval_data_source = eval_data_source
+        self.task_columns = task_columns
         self.session: RunSession | None = None
+        self.node_monitors: ray_nodes.NodeMonitors | None = None
 
     def get_tracker(self) -> Tracking:
+        # system metrics per Ray node: the session's monitor is this node's, an actor runs each other's
+        tracking = self.rlops_config.tracking
+        nodes, here = ray_nodes.cluster() if tracking.system_metrics else ([], None)
         self.session = RunSession.start(self.rlops_config, self.run_dir, params=skyrl_params(self.cfg),
-                                        tags=skyrl_tags(self.cfg), run_name=self.cfg.trainer.run_name,
-                                        resume=resume_policy(self.cfg))
+                                        tags=skyrl_tags(self.cfg) | ray_nodes.node_tags(nodes),
+                                        run_name=self.cfg.trainer.run_name, resume=resume_policy(self.cfg),
+                                        system_node_id=here)
+        self.node_monitors = ray_nodes.NodeMonitors.start(
+            [n for n in nodes if n.label != here], self.session.run_id, self.rlops_config.tracking_uri,
+            tracking.system_metrics_interval_s, resume=self.session.resumed_after_step >= 0)
         return make_tracking(self.cfg, self.session)
 
     def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset, inference_engine_client,
@@ -273,23 +342,28 @@ class TrackedPPOExp(BasePPOExp):
         trainer = TrackedRayPPOTrainer(cfg=cfg, tracker=tracker, tokenizer=tokenizer, train_dataset=train_dataset,
                                        eval_dataset=eval_dataset, inference_engine_client=inference_engine_client,
                                        generator=generator, colocate_pg=colocate_pg)
-        attach(trainer, self.session, eval_data_source=self.eval_data_source)
+        attach(trainer, self.session, eval_data_source=self.eval_data_source, task_columns=self.task_columns)
         return trainer
 
     def run(self) -> None:
         try:
             super().run()
         except BaseException as exc:
-            if self.session is not None:
-                self.session.__exit__(type(exc), exc, exc.__traceback__)
+            self._end(exc)
             raise
+        self._end(None)
+
+    def _end(self, exc: BaseException | None) -> None:
+        if self.node_monitors is not None:
+            self.node_monitors.stop()
         if self.session is not None:
-            self.session.finish()
+            self.session.__exit__(None if exc is None else type(exc), exc, None)  # FINISHED / FAILED / KILLED
 
 
-def attach(trainer: RayPPOTrainer, session: RunSession, *, eval_data_source: str | None = None) -> TrackerCallback:
+def attach(trainer: RayPPOTrainer, session: RunSession, *, eval_data_source: str | None = None,
+           task_columns: TaskColumns | None = None) -> TrackerCallback:
     """Register the tracker callback (and the HF-export hook, for a TrackedRayPPOTrainer) on `trainer`."""
-    callback = TrackerCallback(session, eval_data_source=eval_data_source)
+    callback = TrackerCallback(session, eval_data_source=eval_data_source, task_columns=task_columns)
     trainer.add_callback(callback)
     if isinstance(trainer, TrackedRayPPOTrainer):
         trainer.rlops_session = session

@@ -91,10 +91,11 @@ def build_skyrl_config(overrides: Sequence[str]):
 def run_experiment(cfg, config: Config) -> dict[str, str]:
     """Inside the Ray task: register the env, then run the tracked experiment; returns its MLflow run."""
     from tracker.skyrl import TrackedPPOExp
-    from training.skyrl_env import register_visgym_env
+    from training.skyrl_env import eval_sample_columns, register_visgym_env
 
     register_visgym_env()
-    exp = TrackedPPOExp(cfg, config, eval_data_source=config.training.eval_data_source)
+    exp = TrackedPPOExp(cfg, config, eval_data_source=config.training.eval_data_source,
+                        task_columns=eval_sample_columns)
     exp.run()
     return {"run_id": exp.session.run_id, "experiment_id": exp.session.experiment_id}
 
