@@ -260,6 +260,9 @@ def ray_node_env(config: Config, environ: Mapping[str, str] | None = None) -> di
     # How long a raylet waits for its agents' port files: the dashboard agent's imports alone take > 40 s on
     # 2 loaded cores, and the default timeout then kills the raylet.
     env.setdefault("RAY_agent_register_timeout_ms", "300000")
+    # Ray 2.60's raylet gives its dashboard agent a fixed 15 s; without a bytecode cache every start compiles
+    # Ray's modules again (> 15 s of CPU on 2 cores). The raylets write their cache like any Python would.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.pop("RAY_AUTH_TOKEN", None)  # the token file, never a token value in the env
     secret_file(config.data_path / RAY_TOKEN_FILE, lambda: secrets.token_hex(32))
     env.update(ray_client_env(config))
