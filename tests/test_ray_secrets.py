@@ -30,6 +30,7 @@ SECRETS = {name: f"{name.lower().replace('_', '-')}-{uuid.uuid4().hex}" for name
 
 def secret_environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RLOPS_", "MLFLOW_", "AWS_", "RAY_"))}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # as rlops.stack.ray_node_env: else the agents start too slowly
     env["RAY_AUTH_MODE"] = "disabled"  # `ray start` turns token auth on by default; this session's clients have it off
     env.update({name: value for name, value in SECRETS.items() if name != "DB_PASSWORD"})
     env.update({"AWS_ACCESS_KEY_ID": "rlops-test-key-id", "MLFLOW_TRACKING_USERNAME": "admin",
@@ -99,6 +100,7 @@ def test_no_secret_reaches_ray_session_dir_or_job_info(ray_head):
     proc = subprocess.run(["bash", str(REPO / "training" / "train_job.sh"), "trainer.no_such_key=1"], cwd=REPO,
                           env={**env, "RAY_ADDRESS": address, "SUBMISSION_ID": submission_id,
                                "PYTHON": sys.executable}, capture_output=True, text=True, timeout=300)
+    assert f"Job '{submission_id}' submitted" in proc.stdout + proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
     client = JobSubmissionClient(address)
     deadline = time.monotonic() + 120
     while client.get_job_status(submission_id) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
