@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -146,6 +147,7 @@ def ray_cluster(stack: StackHandle, tmp_path_factory) -> RayClusterHandle:
     finally:
         for name in reversed(rlops_stack.ray_node_names(config)):
             stop_process(config.data_path, name)
+        shutil.rmtree(rlops_stack.ray_temp_dir(config), ignore_errors=True)  # Ray's session logs of this run
 
 
 @pytest.fixture
