@@ -43,7 +43,8 @@ def _print_status(parts: list[stack.PartStatus]) -> None:
 @click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for health checks.")
 @pass_ctx
 def up(obj: CliContext, timeout: float) -> None:
-    """Start MLflow and the S3 server (managed parts only) and wait until both are healthy."""
+    """Start MLflow, the S3 server (managed parts only) and, with ray.nodes >= 1, a local Ray cluster; wait
+    until all are healthy."""
     try:
         parts = stack.up(obj.config, timeout_s=timeout)
     except stack.StackError as exc:
@@ -51,7 +52,10 @@ def up(obj: CliContext, timeout: float) -> None:
     _print_status(parts)
     click.echo(f"MLflow UI:   {obj.config.tracking_uri}")
     click.echo(f"S3 endpoint: {obj.config.storage.endpoint_url or '(AWS default)'}  bucket: {obj.config.storage.bucket}")
-    unhealthy = [p.name for p in parts if p.name in stack.STACK_PARTS and not p.healthy]
+    if obj.config.ray_address:
+        click.echo(f"Ray cluster: {obj.config.ray_address} ({obj.config.ray.nodes} nodes), "
+                   f"jobs: {obj.config.ray_dashboard_url}")
+    unhealthy = [p.name for p in parts if p.name in (*stack.STACK_PARTS, stack.RAY_HEAD) and not p.healthy]
     if unhealthy:
         raise click.ClickException(f"not healthy: {', '.join(unhealthy)} (external parts are not started by rlops)")
 

@@ -199,8 +199,9 @@ class ServingConfig(_Section):
     routes_relist_s: float = Field(30.0, gt=0, description="full `_routes/` listing at least this often, for manifests "
                                    "written by something that does not update the routes stamp")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra vLLM engine args (Ray validates them)")
-    min_replicas: int = Field(1, ge=0)
+    min_replicas: int = Field(1, ge=0, description="LLM replicas (vLLM engines): Serve autoscales between these")
     max_replicas: int = Field(1, ge=1)
+    ingress_replicas: int = Field(1, ge=1, description="replicas of the alias ingress (each refreshes routes itself)")
     replica_cpus: float = Field(1.0, gt=0, description="CPU only: CPUs reserved per LLM replica and per ingress replica")
     local_num_cpus: int = Field(4, ge=1, description="logical CPUs of the local Ray started by `rlops serve`")
     metrics_port: int | None = Field(None, ge=1, le=65535,
@@ -309,6 +310,23 @@ class HooksConfig(_Section):
     timestamp_tolerance_s: float = Field(300.0, gt=0, description="older or future-dated deliveries get 401")
 
 
+class RayClusterConfig(_Section):
+    """A local multi-node Ray cluster that `rlops up` supervises: a head and `nodes - 1` worker raylets on this
+    machine, each with `cpus_per_node` logical CPUs, the dashboard (job API) on loopback. `rlops serve` and
+    `training/train_job.sh` use it when `nodes >= 1`; 0 keeps today's path (`rlops serve` starts its own
+    in-process Ray, train_job.sh needs RAY_ADDRESS). On Kubernetes the same keys are the RayCluster's head
+    group plus `nodes - 1` worker replicas (docs/deployment.md)."""
+
+    nodes: int = Field(0, ge=0, le=8, description="0 = no cluster; N = a head + N-1 worker raylets on this machine")
+    cpus_per_node: int = Field(2, ge=1, le=64, description="logical CPUs each raylet offers (`ray start --num-cpus`)")
+    object_store_mib: int = Field(256, ge=80, description="object store of each raylet (Ray's default is 30% of RAM)")
+    host: str = Field("127.0.0.1", description="node IP of every raylet; the dashboard listens here too")
+    port: int = Field(6379, ge=1, le=65535, description="the head's GCS port (the cluster address)")
+    dashboard_port: int = Field(8265, ge=1, le=65535, description="job API and dashboard (`ray job submit --address`)")
+    job_stop_wait_s: int = Field(30, ge=1, description="`ray job stop`: SIGTERM, then SIGKILL after this long (Ray's "
+                                 "default 3 s is too short for the tracker to end the run KILLED)")
+
+
 class Config(_Section):
     data_dir: str = ".rlops"
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
@@ -318,6 +336,7 @@ class Config(_Section):
     serving: ServingConfig = Field(default_factory=ServingConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     hooks: HooksConfig = Field(default_factory=HooksConfig)
+    ray: RayClusterConfig = Field(default_factory=RayClusterConfig)
 
     # Derived values: one place decides each default that depends on another key.
     @property
@@ -352,6 +371,16 @@ class Config(_Section):
     @property
     def registered_model(self) -> str:
         return self.tracking.registered_model or self.registry.models[0]
+
+    @property
+    def ray_address(self) -> str | None:
+        """GCS address of the local cluster (`ray.init(address=...)`), None without one."""
+        return f"{self.ray.host}:{self.ray.port}" if self.ray.nodes else None
+
+    @property
+    def ray_dashboard_url(self) -> str | None:
+        """Job API of the local cluster (`ray job submit --address ...`), None without one."""
+        return f"http://{self.ray.host}:{self.ray.dashboard_port}" if self.ray.nodes else None
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -582,3 +611,25 @@ def s3_environment(config: Config, environ: Mapping[str, str] | None = None) -> 
     if creds:
         env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = creds
     return env
+
+
+def replica_environment(config: Config, environ: Mapping[str, str]) -> dict[str, str]:
+    """Env every serving replica needs: S3 settings and credentials, and the API keys variable when auth is
+    on. It reaches the replicas as the Ray node's process env (`rlops serve`'s own Ray, or the nodes `rlops up`
+    starts), never as a `runtime_env`, which Ray logs, shows in job info and keeps in its session dir."""
+    env = s3_environment(config, environ)
+    name = config.serving.api_keys_env
+    if name:
+        if not environ.get(name, "").strip():
+            raise ConfigError(f"serving.api_keys_env is {name}, but {name} is unset or empty")
+        env[name] = environ[name]
+    return env
+
+
+RAY_TOKEN_FILE = "ray-auth-token"
+
+
+def ray_client_env(config: Config) -> dict[str, str]:
+    """What a client of the local cluster (`rlops serve`, `ray job submit`, status) needs: Ray's token auth
+    with the data dir's token file (`rlops up` generates it, mode 0600). Only its path travels in env vars."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(config.data_path / RAY_TOKEN_FILE)}

@@ -1,10 +1,12 @@
-"""The embedded stack: an `mlflow server` and a SeaweedFS S3 server, supervised as child processes.
+"""The embedded stack: an `mlflow server`, a SeaweedFS S3 server and, with `ray.nodes` >= 1, a local Ray
+cluster (a head and worker raylets), supervised as child processes.
 
 Parts marked `managed: false` in `mlflow.yaml` (an external MLflow on PostgreSQL, AWS S3 / MinIO) are
 never started here, only health-checked.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -12,6 +14,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 from urllib.parse import urlsplit
 
 import boto3
@@ -20,11 +23,14 @@ from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from rlops import processes
-from rlops.config import S3_CREDENTIALS_FILE, Config, ConfigError, mask_uri, s3_client_kwargs, s3_environment
+from rlops.config import (RAY_TOKEN_FILE, S3_CREDENTIALS_FILE, Config, ConfigError, mask_uri, ray_client_env,
+                          replica_environment, s3_client_kwargs, s3_environment)
 
 MLFLOW = "mlflow"
 S3 = "s3"
 STACK_PARTS = (S3, MLFLOW)  # start order: MLflow's artifact proxy needs the bucket
+RAY_HEAD = "ray-head"
+RAY_WORKER = "ray-worker-"  # + the node's index, 1 .. ray.nodes - 1
 WEBHOOK_KEY_FILE = "mlflow-webhook-key"
 FLASK_SECRET_FILE = "mlflow-flask-secret"
 # Every SeaweedFS mini component: its HTTP port, and the gRPC port at +10000 that weed derives itself.
@@ -201,6 +207,125 @@ def s3_env(config: Config) -> dict[str, str]:
     return env
 
 
+def ray_node_names(config: Config) -> list[str]:
+    return [RAY_HEAD, *(f"{RAY_WORKER}{i}" for i in range(1, config.ray.nodes))] if config.ray.nodes else []
+
+
+def ray_temp_dir(config: Config) -> Path:
+    """Ray's session dir of this data dir's cluster: short (Ray's socket paths have a length cap) and its own
+    (never /tmp/ray, which other Rays on the machine use)."""
+    return Path("/tmp") / f"rlops-ray-{hashlib.sha256(str(config.data_path).encode()).hexdigest()[:10]}"
+
+
+def _ray_binary() -> str:
+    candidate = Path(sys.executable).parent / "ray"
+    found = str(candidate) if candidate.exists() else shutil.which("ray")
+    if not found:
+        raise StackError("`ray` not found: ray.nodes >= 1 needs Ray (pip install 'rlops[serve]')")
+    return found
+
+
+def ray_argv(config: Config, name: str) -> list[str]:
+    """`ray start --block` of one node: all on one IP, so each raylet gets its own free agent ports."""
+    ray = config.ray
+    argv = [
+        _ray_binary(), "start", "--block", f"--node-ip-address={ray.host}", f"--num-cpus={ray.cpus_per_node}",
+        "--num-gpus=0", f"--object-store-memory={ray.object_store_mib * 2**20}", f"--temp-dir={ray_temp_dir(config)}",
+        "--disable-usage-stats",
+    ]
+    # Fixed ports: with a dynamic one the raylet waits for the agent's port file and dies after ~40 s when the
+    # agent is slower to start (seen on 2 loaded cores); two raylets on one IP cannot share Ray's defaults.
+    for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+                 "metrics-export-port", "node-manager-port", "object-manager-port"):
+        argv.append(f"--{flag}={processes.free_port(ray.host)}")
+    if name == RAY_HEAD:
+        return argv + ["--head", f"--port={ray.port}", "--include-dashboard=true", f"--dashboard-host={ray.host}",
+                       f"--dashboard-port={ray.dashboard_port}", f"--ray-client-server-port={processes.free_port(ray.host)}"]
+    return argv + [f"--address={config.ray_address}"]
+
+
+def ray_node_env(config: Config, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The raylets' env, which every replica and job driver inherits: the serving replicas' S3 settings,
+    credentials and API keys (Secret refs on Kubernetes), this venv first on PATH (a job's `python` is
+    rlops's), and the grace `ray job stop` gives a job before SIGKILL. Secrets reach Ray only this way."""
+    environ = os.environ if environ is None else environ
+    env = dict(environ)
+    try:
+        env.update(replica_environment(config, environ))
+    except ConfigError as exc:
+        raise StackError(f"ray cluster: {exc}") from None
+    env["MLFLOW_TRACKING_URI"] = config.tracking_uri
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["RAY_JOB_STOP_WAIT_TIME_S"] = str(config.ray.job_stop_wait_s)
+    # How long a raylet waits for its agents' port files: the dashboard agent's imports alone take > 40 s on
+    # 2 loaded cores, and the default timeout then kills the raylet.
+    env.setdefault("RAY_agent_register_timeout_ms", "300000")
+    # Ray 2.60's raylet gives its dashboard agent a fixed 15 s; without a bytecode cache every start compiles
+    # Ray's modules again (> 15 s of CPU on 2 cores). The raylets write their cache like any Python would.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.pop("RAY_AUTH_TOKEN", None)  # the token file, never a token value in the env
+    secret_file(config.data_path / RAY_TOKEN_FILE, lambda: secrets.token_hex(32))
+    env.update(ray_client_env(config))
+    return env
+
+
+def ray_alive_nodes(config: Config) -> int:
+    """Raylets the cluster's GCS reports alive, through the dashboard's state API (0 if it does not answer)."""
+    os.environ.update(ray_client_env(config))  # read by Ray's token loader when the state API connects
+    from ray.util.state import list_nodes
+
+    try:
+        nodes = list_nodes(address=config.ray_dashboard_url, filters=[("state", "=", "ALIVE")], timeout=5,
+                           raise_on_missing_output=False)
+    except Exception:  # noqa: BLE001 - the dashboard is not up (yet): no node counts as alive
+        return 0
+    return len(nodes)
+
+
+RAY_NODE_ATTEMPTS = 4
+
+
+def _start_ray_node(config: Config, name: str, env: Mapping[str, str], alive_after: int, timeout_s: float) -> None:
+    """Start one raylet and wait until the GCS counts `alive_after` nodes. A raylet dies when its dashboard
+    agent writes its port file later than Ray 2.60's fixed 15 s (imports under load); `ray start` then exits,
+    and the node is started again, up to RAY_NODE_ATTEMPTS times."""
+    urls = {"gcs": config.ray_address or ""}
+    if name == RAY_HEAD:
+        urls["dashboard"] = config.ray_dashboard_url or ""
+    for attempt in range(1, RAY_NODE_ATTEMPTS + 1):
+        record = processes.start(config.data_path, name, ray_argv(config, name), env, urls=urls)
+        try:
+            processes.wait_healthy(record, lambda: ray_alive_nodes(config) >= alive_after, timeout_s,
+                                   what=f"{name} (attempt {attempt}/{RAY_NODE_ATTEMPTS})")
+            return
+        except processes.ProcessError:
+            processes.stop(config.data_path, name)
+            if attempt == RAY_NODE_ATTEMPTS or record.process() is not None:  # a timeout is not retried
+                raise
+
+
+def _start_ray(config: Config, started: list[str], timeout_s: float) -> None:
+    names = ray_node_names(config)
+    if all(_running(config, name) for name in names):
+        return
+    env = ray_node_env(config)
+    if not _running(config, RAY_HEAD):
+        _check_port_free(config.ray.host, config.ray.port, "ray.port")
+        _check_port_free(config.ray.host, config.ray.dashboard_port, "ray.dashboard_port")
+    # One node at a time: each start is import-heavy, and two at once on 2 cores miss Ray's startup limits.
+    for index, name in enumerate(names, start=1):
+        if not _running(config, name):
+            started.append(name)
+            _start_ray_node(config, name, env, index, timeout_s)
+
+
+def _stop_order(name: str) -> int:
+    """Consumers (serving, hooks) first, then Ray's workers, its head, and the stack last."""
+    if name in STACK_PARTS:
+        return 3
+    return 2 if name == RAY_HEAD else 1 if name.startswith(RAY_WORKER) else 0
+
+
 # ------------------------------------------------------------------------------------------------ up/down
 
 
@@ -238,6 +363,8 @@ def up(config: Config, timeout_s: float = 60.0) -> list[PartStatus]:
                                      urls={"ui": config.tracking_uri}, cwd=config.data_path)
             started.append(MLFLOW)
             processes.wait_healthy(record, lambda: mlflow_healthy(config.tracking_uri), timeout_s)
+        if config.ray.nodes:
+            _start_ray(config, started, timeout_s)
     except (processes.ProcessError, StackError, BotoCoreError, ClientError, OSError) as exc:
         for name in reversed(started):
             processes.stop(config.data_path, name)
@@ -248,10 +375,9 @@ def up(config: Config, timeout_s: float = 60.0) -> list[PartStatus]:
 
 
 def down(config: Config) -> list[str]:
-    """Stop every process rlops recorded in this data dir (stack, serving, hooks); return their names."""
+    """Stop every process rlops recorded in this data dir (stack, Ray nodes, serving, hooks); return their names."""
     stopped = []
-    # Consumers first (serving, hooks), the stack last.
-    records = sorted(processes.list_records(config.data_path), key=lambda r: r.name in STACK_PARTS)
+    records = sorted(processes.list_records(config.data_path), key=lambda r: _stop_order(r.name))
     for record in records:
         if processes.stop(config.data_path, record.name):
             stopped.append(record.name)
@@ -269,8 +395,13 @@ def status(config: Config) -> list[PartStatus]:
         PartStatus(MLFLOW, config.server.managed, _running(config, MLFLOW) is not None,
                    mlflow_healthy(config.tracking_uri), config.tracking_uri, mask_uri(config.backend_store_uri)),
     ]
+    if config.ray.nodes:
+        alive = ray_alive_nodes(config) if _running(config, RAY_HEAD) else 0
+        parts.append(PartStatus(RAY_HEAD, True, _running(config, RAY_HEAD) is not None, alive == config.ray.nodes,
+                                config.ray_dashboard_url or "", f"gcs {config.ray_address}, {alive}/{config.ray.nodes} "
+                                "nodes alive"))
     for record in processes.list_records(config.data_path):
-        if record.name not in STACK_PARTS:
+        if record.name not in STACK_PARTS and not (config.ray.nodes and record.name == RAY_HEAD):
             alive = record.process() is not None
             parts.append(PartStatus(record.name, True, alive, alive, ", ".join(record.urls.values()), f"pid {record.pid}"))
     return parts

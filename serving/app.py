@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Mapping
 
-from rlops.config import Config, ConfigError, s3_environment
+from rlops.config import Config, ConfigError, ray_client_env, replica_environment, s3_environment
 
 INGRESS_CLS = "serving.ingress:AliasIngress"
 APP_NAME = "rlops"
@@ -75,8 +75,12 @@ def app_args(config: Config, accelerator: str, ingress_cls: str = INGRESS_CLS) -
         "llm_configs": [llm_config(config, accelerator)],
         "ingress_cls_config": {"ingress_cls": ingress_cls, "ingress_extra_kwargs": {"settings": ingress_settings(config)}},
     }
+    # A fixed count: Ray's default ingress autoscales by load, and every replica must refresh routes itself.
+    ingress: dict[str, Any] = {"autoscaling_config": {"min_replicas": config.serving.ingress_replicas,
+                                                      "max_replicas": config.serving.ingress_replicas}}
     if accelerator == "cpu":
-        args["ingress_deployment_config"] = {"ray_actor_options": {"num_cpus": config.serving.replica_cpus}}
+        ingress["ray_actor_options"] = {"num_cpus": config.serving.replica_cpus}
+    args["ingress_deployment_config"] = ingress
     return args
 
 
@@ -89,19 +93,6 @@ def build_app(config: Config, accelerator: str | None = None):
 
         accelerator = resolve_accelerator(config, torch.cuda.is_available())
     return build_openai_app(app_args(config, accelerator))
-
-
-def replica_environment(config: Config, environ: Mapping[str, str]) -> dict[str, str]:
-    """Env every replica of a local run needs: S3 settings and credentials, and the API keys variable when
-    auth is on. It reaches the replicas as the Ray node's process env, never as a `runtime_env`, which Ray
-    logs, shows in job info and keeps in its session dir."""
-    env = s3_environment(config, environ)
-    name = config.serving.api_keys_env
-    if name:
-        if not environ.get(name, "").strip():
-            raise ConfigError(f"serving.api_keys_env is {name}, but {name} is unset or empty")
-        env[name] = environ[name]
-    return env
 
 
 def serve_config_v2(config: Config) -> dict[str, Any]:
@@ -131,19 +122,28 @@ def serve_config_v2(config: Config) -> dict[str, Any]:
 
 def run(config: Config, environ: Mapping[str, str], *, blocking: bool = True,
         on_ready: Callable[[], None] | None = None) -> None:
-    """Start a local Ray, Serve on `serving.host:port`, and the app (`rlops serve`); `on_ready` is called once
-    every deployment runs (the vLLM replica has loaded); then blocks until stopped unless `blocking` is False."""
+    """Start the app on the local cluster of `rlops up` (`ray.nodes` >= 1) or else on a fresh in-process Ray,
+    Serve on `serving.host:port`; `on_ready` is called once every deployment runs (the vLLM replicas have
+    loaded); then blocks until stopped unless `blocking` is False."""
     import ray
     from ray import serve
 
     serving = config.serving
-    # The local Ray node's processes (raylet, workers, replicas) inherit this process's environment.
-    os.environ.update(replica_environment(config, environ))
-    # address="local": always a fresh Ray of our own, never a cluster some other tool started here.
-    ray.init(address="local", num_cpus=serving.local_num_cpus, include_dashboard=False,
-             _metrics_export_port=serving.metrics_port)
+    env = replica_environment(config, environ)  # checked even on the cluster: its nodes got it at `rlops up`
+    if config.ray_address:
+        os.environ.update(ray_client_env(config))
+        ray.init(address=config.ray_address)
+        # One HTTP proxy, on the head: the raylets share one IP here, so per-node proxies would fight for the port.
+        proxy_location = "HeadOnly"
+    else:
+        # The local Ray node's processes (raylet, workers, replicas) inherit this process's environment.
+        os.environ.update(env)
+        # address="local": always a fresh Ray of our own, never a cluster some other tool started here.
+        ray.init(address="local", num_cpus=serving.local_num_cpus, include_dashboard=False,
+                 _metrics_export_port=serving.metrics_port)
+        proxy_location = None  # Serve's default
     app = build_app(config)
-    serve.start(http_options={"host": serving.host, "port": serving.port})
+    serve.start(http_options={"host": serving.host, "port": serving.port}, proxy_location=proxy_location)
     serve.run(app, name=APP_NAME, route_prefix="/")  # returns once the app's deployments are running
     if on_ready is not None:
         on_ready()

@@ -4,9 +4,13 @@ model, S3 prefix). Under CI=true a skipped test counts as a failure: missing inf
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
+import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +19,9 @@ import pytest
 import yaml
 
 from rlops import stack as rlops_stack
-from rlops.config import Config, load_config, s3_environment
+from rlops.config import RAY_TOKEN_FILE, Config, load_config, ray_client_env, s3_environment
 from rlops.processes import free_port
+from rlops.processes import stop as stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,6 +79,75 @@ def stack(tmp_path_factory) -> StackHandle:
     handle = StackHandle(config, path)
     yield handle
     rlops_stack.down(config)
+
+
+@dataclass
+class RayClusterHandle:
+    """The session's local Ray cluster (`rlops up` with ray.nodes = 2) beside the session stack. `secrets`
+    are values its nodes hold in their env (as the cluster's Secret refs do), which Ray must never show."""
+
+    config: Config
+    config_path: Path
+    secrets: dict[str, str]
+
+    @property
+    def env(self) -> dict[str, str]:
+        """A client shell: this config, no credentials (train_job.sh reads the cluster env from the config)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RLOPS_", "MLFLOW_", "AWS_", "RAY_"))}
+        env.update(RLOPS_CONFIG=str(self.config_path), PYTHON=str(Path(sys.executable)),
+                   PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+        return env
+
+    def job_client(self):
+        from ray.job_submission import JobSubmissionClient
+
+        os.environ.update(ray_client_env(self.config))
+        return JobSubmissionClient(self.config.ray_dashboard_url)
+
+
+def ray_records(client, temp_dir: Path) -> dict[str, str]:
+    """Everything a Ray cluster shows or keeps: each job's info and logs from the job API, and every file of
+    its session dir (logs, runtime_env records, job tables), by where it was found."""
+    jobs = client.list_jobs()
+    shown = {"job list": json.dumps([j.__dict__ for j in jobs], default=str)}
+    for job in jobs:
+        shown[f"job info {job.submission_id}"] = json.dumps(client.get_job_info(job.submission_id).__dict__, default=str)
+        shown[f"job logs {job.submission_id}"] = client.get_job_logs(job.submission_id)
+    for path in Path(temp_dir).rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.suffix not in {".sock", ".so"}:
+            try:
+                shown[str(path.relative_to(temp_dir))] = path.read_bytes().decode("utf-8", "replace")
+            except OSError:
+                continue
+    return shown
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(stack: StackHandle, tmp_path_factory) -> RayClusterHandle:
+    """A 2-node local Ray cluster (head + 1 worker raylet, 2 CPUs each) started once per session by the
+    stack supervisor, with the secrets in its nodes' environment; its nodes are stopped at the end."""
+    root = tmp_path_factory.mktemp("ray")
+    data = yaml.safe_load(stack.config_path.read_text())
+    data["ray"] = {"nodes": 2, "cpus_per_node": 2, "port": free_port(), "dashboard_port": free_port()}
+    path = write_config(root / "mlflow.yaml", data)
+    config = load_config(path, environ={})
+    secrets = {"AWS_SECRET_ACCESS_KEY": s3_environment(config)["AWS_SECRET_ACCESS_KEY"],
+               "MLFLOW_TRACKING_PASSWORD": f"mlflow-pw-{uuid.uuid4().hex}",
+               "RLOPS_HOOKS__SECRET": f"hooks-secret-{uuid.uuid4().hex}"}
+    started = time.monotonic()
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("MLFLOW_TRACKING_USERNAME", "trainer")
+            for name, value in secrets.items():
+                env.setenv(name, value)
+            rlops_stack.up(config, timeout_s=300)
+        print(f"ray cluster of 2 nodes up in {time.monotonic() - started:.0f} s")
+        secrets["ray token"] = (config.data_path / RAY_TOKEN_FILE).read_text().strip()
+        yield RayClusterHandle(config, path, secrets)
+    finally:
+        for name in reversed(rlops_stack.ray_node_names(config)):
+            stop_process(config.data_path, name)
+        shutil.rmtree(rlops_stack.ray_temp_dir(config), ignore_errors=True)  # Ray's session logs of this run
 
 
 @pytest.fixture

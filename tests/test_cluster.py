@@ -412,3 +412,54 @@ def test_secret_checks_catch_leaks():
     compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
     compose["services"]["mlflow"]["environment"]["PGPASSWORD"] = "hunter2"
     assert _compose_secret_problems(compose)
+
+
+# ------------------------------------------------------------------- the local cluster vs the manifests
+
+
+def _config_keys(model, prefix: str = "") -> set[str]:
+    keys = set()
+    for name, field in model.model_fields.items():
+        keys.add(prefix + name)
+        if isinstance(field.annotation, type) and hasattr(field.annotation, "model_fields"):
+            keys |= _config_keys(field.annotation, f"{prefix}{name}.")
+    return keys
+
+
+def _head_container(group: dict[str, Any]) -> dict[str, Any]:
+    return group["template"]["spec"]["containers"][0]
+
+
+def test_local_cluster_keys_map_onto_the_manifests(tmp_path):
+    """docs/deployment.md's table of `ray.*`/`serving.*` keys names real config keys, and the rows that are
+    values in both places agree: the ConfigMap's config against the RayCluster, the RayService and its
+    rendered serveConfigV2."""
+    from rlops.config import Config
+
+    guide = (REPO / "docs" / "deployment.md").read_text()
+    table = guide[guide.index("| config key |"):].split("\n\n", 1)[0]
+    documented = {key for row in table.splitlines()[2:] for key in re.findall(r"`((?:ray|serving)\.[a-z_]+)`",
+                                                                               row.split("|")[1])}
+    assert {"ray.nodes", "ray.port", "ray.dashboard_port", "ray.job_stop_wait_s", "serving.min_replicas",
+            "serving.max_replicas", "serving.ingress_replicas"} <= documented
+    assert documented <= _config_keys(Config), documented - _config_keys(Config)
+
+    config = load_config(_cluster_config_file(tmp_path), environ={})
+    assert config.ray.nodes == 0  # KubeRay runs the cluster: nothing for `rlops up` to start in a pod
+    train = _documents(K8S / "raycluster-train.yaml")[0]["spec"]
+    service = _rayservice()["spec"]
+    for head in (_head_container(train["headGroupSpec"]), _head_container(service["rayClusterConfig"]["headGroupSpec"])):
+        ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+        assert (ports["gcs"], ports["dashboard"]) == (config.ray.port, config.ray.dashboard_port)
+    train_env = {e["name"]: e.get("value") for e in _head_container(train["headGroupSpec"])["env"]}
+    assert train_env["RAY_JOB_STOP_WAIT_TIME_S"] == str(config.ray.job_stop_wait_s)
+
+    args = yaml.safe_load(service["serveConfigV2"])["applications"][0]["args"]
+    llm_scaling = args["llm_configs"][0]["deployment_config"]["autoscaling_config"]
+    assert (llm_scaling["min_replicas"], llm_scaling["max_replicas"]) == (config.serving.min_replicas,
+                                                                          config.serving.max_replicas)
+    ingress_scaling = args["ingress_deployment_config"]["autoscaling_config"]
+    assert ingress_scaling == {"min_replicas": config.serving.ingress_replicas,
+                               "max_replicas": config.serving.ingress_replicas}
+    [gpu] = service["rayClusterConfig"]["workerGroupSpecs"]
+    assert gpu["maxReplicas"] >= config.serving.max_replicas  # one GPU worker per vLLM replica

@@ -270,3 +270,28 @@ def test_up_starts_nothing_for_external_services(stack, tmp_path):
     assert "(external)" in out.stdout and stack.tracking_uri in out.stdout
     assert processes.list_records(tmp_path / "d") == []
     assert run_cli(["status"], env).returncode == 0
+
+
+def test_ray_section_default_is_no_cluster_and_nodes_get_their_own_ports(tmp_path):
+    from rlops.stack import RAY_TOKEN_FILE, ray_argv, ray_node_env, ray_node_names
+
+    default = load_config(None, environ={})
+    assert default.ray.nodes == 0 and default.ray_address is None and ray_node_names(default) == []
+    with pytest.raises(ConfigError, match="ray.nodes"):
+        load_config(None, environ={"RLOPS_RAY__NODES": "-1"})
+    config = load_config(None, environ={"RLOPS_RAY__NODES": "3", "RLOPS_DATA_DIR": str(tmp_path),
+                                        "RLOPS_STORAGE__MANAGED": "false"})
+    assert config.ray_address == "127.0.0.1:6379" and config.ray_dashboard_url == "http://127.0.0.1:8265"
+    names = ray_node_names(config)
+    assert names == ["ray-head", "ray-worker-1", "ray-worker-2"]
+    argvs = {name: ray_argv(config, name) for name in names}
+    assert {"--head", "--port=6379", "--dashboard-port=8265", "--dashboard-host=127.0.0.1"} <= set(argvs["ray-head"])
+    assert "--address=127.0.0.1:6379" in argvs["ray-worker-2"] and "--head" not in argvs["ray-worker-2"]
+    agent_ports = [a for argv in argvs.values() for a in argv if a.startswith("--dashboard-agent-listen-port=")]
+    assert len(set(agent_ports)) == 3  # three raylets on one IP: no shared default port
+    env = ray_node_env(config, {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "node-secret", "PATH": "/bin",
+                                "RAY_AUTH_TOKEN": "a-token-value"})
+    assert env["AWS_SECRET_ACCESS_KEY"] == "node-secret" and env["RAY_JOB_STOP_WAIT_TIME_S"] == "30"
+    assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN_PATH"] == str(tmp_path / RAY_TOKEN_FILE)
+    assert "RAY_AUTH_TOKEN" not in env and (tmp_path / RAY_TOKEN_FILE).stat().st_mode & 0o777 == 0o600
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)  # a job's `python` is this one

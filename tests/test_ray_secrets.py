@@ -4,7 +4,6 @@ Ray's whole session dir (logs, runtime_env records, job tables) and the job API'
 searched for every secret value. The local `rlops serve` is checked the same way in test_serving_app."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -18,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import ray_records
 from rlops.processes import free_port
 
 pytestmark = pytest.mark.slow
@@ -30,6 +30,7 @@ SECRETS = {name: f"{name.lower().replace('_', '-')}-{uuid.uuid4().hex}" for name
 
 def secret_environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RLOPS_", "MLFLOW_", "AWS_", "RAY_"))}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # as rlops.stack.ray_node_env: else the agents start too slowly
     env["RAY_AUTH_MODE"] = "disabled"  # `ray start` turns token auth on by default; this session's clients have it off
     env.update({name: value for name, value in SECRETS.items() if name != "DB_PASSWORD"})
     env.update({"AWS_ACCESS_KEY_ID": "rlops-test-key-id", "MLFLOW_TRACKING_USERNAME": "admin",
@@ -99,6 +100,7 @@ def test_no_secret_reaches_ray_session_dir_or_job_info(ray_head):
     proc = subprocess.run(["bash", str(REPO / "training" / "train_job.sh"), "trainer.no_such_key=1"], cwd=REPO,
                           env={**env, "RAY_ADDRESS": address, "SUBMISSION_ID": submission_id,
                                "PYTHON": sys.executable}, capture_output=True, text=True, timeout=300)
+    assert f"Job '{submission_id}' submitted" in proc.stdout + proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
     client = JobSubmissionClient(address)
     deadline = time.monotonic() + 120
     while client.get_job_status(submission_id) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
@@ -108,14 +110,7 @@ def test_no_secret_reaches_ray_session_dir_or_job_info(ray_head):
     logs = client.get_job_logs(submission_id)
     assert info.entrypoint.startswith("python -m training.skyrl_main") and info.runtime_env["env_vars"]
     assert info.status == JobStatus.FAILED and "Invalid fields" in logs  # our entrypoint ran, stopped there
-    shown = {"submit output": proc.stdout + proc.stderr, "job info": json.dumps(info.__dict__, default=str),
-             "job logs": logs, "job list": json.dumps([j.__dict__ for j in client.list_jobs()], default=str)}
-    for path in temp_dir.rglob("*"):
-        if path.is_file() and not path.is_symlink() and path.suffix not in {".sock", ".so"}:
-            try:
-                shown[str(path.relative_to(temp_dir))] = path.read_bytes().decode("utf-8", "replace")
-            except OSError:
-                continue
+    shown = {"submit output": proc.stdout + proc.stderr, **ray_records(client, temp_dir)}
     assert len(shown) > 20  # logs of gcs, raylet, dashboard, the job driver, ...
     hits = [(where, name) for where, text in shown.items() for name, value in SECRETS.items() if value in text]
     assert hits == [], f"secret values found in Ray's records: {hits}"

@@ -7,6 +7,8 @@ the `visgym` env is registered and `TrackedPPOExp` (our run, our callback, HF-ex
 
     python -m training.skyrl_main --print-overrides     # the recipe, one override per line
     python -m training.skyrl_main --print-runtime-env   # Ray runtime env JSON (MLflow/S3/rlops env, no secrets)
+    python -m training.skyrl_main --print-cluster-env   # RAY_ADDRESS and token auth of `rlops up`'s cluster
+    python -m training.skyrl_main --print-local-env     # absolute RLOPS_CONFIG / RLOPS_DATA_DIR (train_job.sh --local)
     python -m training.skyrl_main [overrides...]         # run (on the cluster, inside `ray job submit`)
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import sys
 from typing import Any, Mapping, Sequence
 
-from rlops.config import Config, is_secret_key, load_config, mask_value
+from rlops.config import Config, find_config_file, is_secret_key, load_config, mask_value, ray_client_env
 
 # Forwarded to the Ray job. Ray shows a runtime env on its Jobs page, in job info and in its logs, so no
 # credential goes there: the Ray nodes have them in their own environment (the Secret refs of
@@ -62,6 +64,23 @@ def recipe_overrides(config: Config) -> list[str]:
     ]
 
 
+def cluster_env(config: Config) -> dict[str, str]:
+    """What `ray job submit` needs for the local cluster of `rlops up`: its job API and token auth (a file
+    path, not the token); empty without one (ray.nodes 0)."""
+    if not config.ray_dashboard_url:
+        return {}
+    return {"RAY_ADDRESS": config.ray_dashboard_url, **ray_client_env(config)}
+
+
+def local_job_env(config: Config, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The config file and data dir this shell resolved, as absolute paths for a job that runs elsewhere."""
+    file = find_config_file(environ=environ)
+    env = {"RLOPS_DATA_DIR": str(config.data_path)}
+    if file is not None:
+        env["RLOPS_CONFIG"] = str(file.resolve())
+    return env
+
+
 def is_secret_env(name: str, value: str) -> bool:
     """A variable that must stay out of Ray: a secret-looking name, or a value with a credential or a URI password."""
     return is_secret_key(name) or mask_value(name.lower(), value) != value
@@ -105,6 +124,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = load_config()
     if args[:1] == ["--print-overrides"]:
         print("\n".join(recipe_overrides(config)))
+        return
+    if args[:1] in (["--print-cluster-env"], ["--print-local-env"]):
+        env = cluster_env(config) if args[0] == "--print-cluster-env" else local_job_env(config)
+        print("\n".join(f"{k}={v}" for k, v in env.items()))
         return
     if args[:1] == ["--print-runtime-env"]:
         env = runtime_env(config)

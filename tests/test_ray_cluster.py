@@ -1,0 +1,101 @@
+"""The cluster path on one machine: `rlops up` with `ray.nodes: 2` (a head and a worker raylet, supervised
+like the rest of the stack), `rlops status` showing it, and the local trainer submitted to it by
+training/train_job.sh exactly as the production job is: tracked from inside the Ray job on the shared data
+dir, logs streamed back, `ray job stop` ending the run KILLED, a resubmission on the same run dir resuming
+it, and no secret of the nodes' environment anywhere in Ray's job API or session dir."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, ray_records
+from rlops.stack import RAY_HEAD, ray_temp_dir
+
+pytestmark = pytest.mark.slow
+
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+def test_status_shows_every_node_of_the_cluster(ray_cluster):
+    out = subprocess.run([str(Path(sys.executable).parent / "rlops"), "status"], env=ray_cluster.env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    head = next(line for line in out.stdout.splitlines() if line.strip().startswith(RAY_HEAD))
+    assert "healthy" in head and "2/2 nodes alive" in head and ray_cluster.config.ray_dashboard_url in head
+    assert any(line.strip().startswith("ray-worker-1") and "healthy" in line for line in out.stdout.splitlines())
+
+
+def _tiny_local_env(name: str) -> dict[str, str]:
+    """The local trainer shrunk to seconds a step (as in test_training_local), its own experiment and model."""
+    return {"RLOPS_TRACKING__EXPERIMENT": f"exp-{name}", "RLOPS_REGISTRY__MODELS": f"[model-{name}]",
+            "RLOPS_TRAINING__LOCAL__NUM_GENERATIONS": "4", "RLOPS_TRAINING__LOCAL__PROMPTS_PER_STEP": "2",
+            "RLOPS_TRAINING__LOCAL__CKPT_INTERVAL": "2", "RLOPS_TRAINING__LOCAL__EVAL_INTERVAL": "2",
+            "RLOPS_TRAINING__LOCAL__MAX_COMPLETION_TOKENS": "8", "RLOPS_TRAINING__LOCAL__EVAL_SAMPLES": "0",
+            "RLOPS_TRACKING__SAMPLE_MAZES": "0", "RLOPS_TRACKING__SAMPLE_GROUPS": "0",
+            "RLOPS_TRACKING__SYSTEM_METRICS": "false"}
+
+
+def _submit(env: dict[str, str], *args: str) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(REPO / "training" / "train_job.sh"), "--local", "--fast", *args], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(what: str, check, timeout_s: float = 600):
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(2)
+    return found
+
+
+def test_local_trainer_as_a_ray_job_stops_killed_and_resumes(ray_cluster, mlflow_client, unique_name):
+    client = ray_cluster.job_client()
+    env = {**ray_cluster.env, **_tiny_local_env(unique_name)}
+    run_dir = ray_cluster.config.data_path / "runs" / f"job-{unique_name}"
+    first_id, second_id = f"grpo-{uuid.uuid4().hex[:8]}", f"grpo-{uuid.uuid4().hex[:8]}"
+
+    # 1. submitted like production; stopped with `ray job stop` once it has a checkpoint
+    first = _submit({**env, "SUBMISSION_ID": first_id, "RUN_DIR": str(run_dir)}, "--steps", "200")
+    started = time.monotonic()
+    _wait_for("the first checkpoint", lambda: list(run_dir.glob("checkpoint-*")))
+    print(f"job running with a checkpoint after {time.monotonic() - started:.0f} s")
+    assert client.stop_job(first_id)
+    streamed, _ = first.communicate(timeout=300)
+    assert _wait_for("the stop", lambda: str(client.get_job_status(first_id)) in TERMINAL and
+                     str(client.get_job_status(first_id))) == "STOPPED"
+    info = client.get_job_info(first_id)
+    assert info.entrypoint == f"python -m rlops train --local --run-dir {run_dir} --fast --steps 200"
+    experiment = mlflow_client.get_experiment_by_name(f"exp-{unique_name}")
+    [run] = mlflow_client.search_runs([experiment.experiment_id])
+    assert run.info.status == "KILLED" and run.data.tags["rlops.end_reason"] == "SIGTERM"
+    assert "GRPO" in streamed or "step" in streamed  # the job's own output came back through `ray job submit`
+    assert (run_dir / "checkpoint-2").is_dir()
+
+    # 2. resubmitted on the same run dir: the same MLflow run continues from the latest checkpoint
+    resume_at = max(int(p.name.rsplit("-", 1)[1]) for p in run_dir.glob("checkpoint-*"))
+    second = subprocess.run(["bash", str(REPO / "training" / "train_job.sh"), "--local", "--fast", "--steps",
+                             str(resume_at + 2)], cwd=REPO, env={**env, "SUBMISSION_ID": second_id,
+                                                                  "RUN_DIR": str(run_dir)},
+                            capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert str(client.get_job_status(second_id)) == "SUCCEEDED"
+    assert f"resuming run {run.info.run_id} from {run_dir / f'checkpoint-{resume_at}'}" in second.stdout
+    resumed = mlflow_client.get_run(run.info.run_id)
+    assert resumed.info.status == "FINISHED" and resumed.data.tags["rlops.resumes"] == "1"
+    rewards = mlflow_client.get_metric_history(run.info.run_id, "reward/avg_raw_reward")
+    assert max(m.step for m in rewards) == resume_at + 2
+    assert len({m.step for m in rewards}) == len(rewards)  # replayed steps are logged once
+
+    # 3. the nodes' secrets reached the job (it talked to S3 and MLflow) but nothing Ray shows or keeps
+    shown = {"submit output": streamed + second.stdout + second.stderr,
+             **ray_records(client, ray_temp_dir(ray_cluster.config))}
+    assert any(name.endswith("job-driver-" + first_id + ".log") for name in shown)
+    assert "RLOPS_CONFIG" in shown[f"job info {first_id}"]  # the runtime env is there, without secrets
+    hits = [(where, name) for where, text in shown.items() for name, value in ray_cluster.secrets.items()
+            if value in text]
+    assert hits == [], f"secret values found in Ray's records: {hits}"
