@@ -6,13 +6,14 @@ Runs the dry run (tiny Qwen3-VL, visgym multi-turn env with images, LoRA synced 
 `timing/step` (generate + train + checkpoint + weight sync, the loop's own clock) and the tracker's
 `tracker/blocking_s` (wall time the loop spent inside our callback's hooks that step). Steady state = the
 steps after the first (the first includes vLLM's warm-up). Figures: median s/step (baseline: the first
-step), and median blocking / median step time (goal <= 1%).
+step), median blocking / median step time (goal <= 1%), and the whole dry run's wall time (goal < 3 min).
 
 Usage: python bench/skyrl_cpu.py [--steps 5]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -48,12 +49,15 @@ def main() -> None:
     first = step_s[min(step_s)]
     blocking = statistics.median(blocking_s[s] for s in steady if s in blocking_s)
     share = blocking / s_per_step
-    print(f"dry run: {args.steps} steps in {result.seconds:.0f} s (incl. Ray, vLLM and model start)")
+    load = os.getloadavg()[1]  # 5-min mean: the machine is shared
+    print(f"dry run: {args.steps} steps in {result.seconds:.0f} s (incl. Ray, vLLM and model start), load {load:.1f}")
     print(f"steady state: {s_per_step:.2f} s/step (median of steps {steady[0]}..{steady[-1]}); first step {first:.2f} s")
     print(f"tracker blocking: {blocking * 1e3:.2f} ms/step = {share:.3%} of the step (goal <= 1%)")
     for step in sorted(step_s):
         print(f"  step {step}: {step_s[step]:.2f} s, tracker {blocking_s.get(step, float('nan')) * 1e3:.2f} ms")
-    record("skyrl_cpu.py", s_per_step, "s/step", first, s_per_step / first, "< 3 min whole dry run: reported")
+    record("skyrl_cpu.py", s_per_step, "s/step", first, s_per_step / first, "reported (steady state)")
+    record("skyrl_cpu.py:dry_run", result.seconds, "s", None, None,
+           f"< 180 s on 2 cores (here {args.steps} steps at load {load:.1f})")
     record("skyrl_cpu.py:tracker", blocking * 1e3, "ms/step", s_per_step * 1e3, share, "<= 0.01 of step time")
 
 

@@ -142,6 +142,20 @@ def alias_vllm_cli_args(openai_package: types.ModuleType) -> None:
     openai_package.cli_args = cli_args
 
 
+def alias_vllm_mm_serde(serve_package: types.ModuleType) -> None:
+    """vLLM 0.29 moved `entrypoints.serve.disagg.mm_serde` (the render endpoint's `kwargs_data`: a
+    MultiModalKwargsItem as base64 msgpack) to `entrypoints.scale_out.token_in_token_out.mm_serde`, same
+    `encode_mm_kwargs_item`/`decode_mm_kwargs_item`; the VLM generator decodes each rollout's pixels with it."""
+    from vllm.entrypoints.scale_out.token_in_token_out import mm_serde
+
+    disagg = types.ModuleType(f"{serve_package.__name__}.disagg")
+    disagg.__spec__ = importlib.machinery.ModuleSpec(disagg.__name__, None, is_package=True)
+    disagg.__path__ = []
+    disagg.mm_serde = mm_serde
+    sys.modules.update({disagg.__name__: disagg, f"{disagg.__name__}.mm_serde": mm_serde})
+    serve_package.disagg = disagg
+
+
 def default_reuse_port(api_server: types.ModuleType) -> None:
     """vLLM 0.29's `create_server_socket` needs a keyword `reuse_port` that SkyRL (for 0.23) does not pass."""
     create_server_socket = api_server.create_server_socket
@@ -217,6 +231,10 @@ MAPPINGS = (
         Seam(SERVERS + "utils.py", 63, "from vllm.entrypoints.openai.cli_args import FrontendArgs"),
         Seam(SERVERS + "vllm_server_actor.py", 528, "from vllm.entrypoints.openai.cli_args import FrontendArgs")),
         after_import="vllm.entrypoints.openai"),
+    Mapping("vllm 0.23 -> 0.29: entrypoints.serve.disagg.mm_serde", alias_vllm_mm_serde, (
+        Seam("backends/renderer.py", 54, "from vllm.entrypoints.serve.disagg.mm_serde import ("),
+        Seam("backends/renderer.py", 55, "decode_mm_kwargs_item as _vllm_decode,")),
+        after_import="vllm.entrypoints.serve"),
     Mapping("vllm 0.23 -> 0.29: create_server_socket(reuse_port)", default_reuse_port, (
         Seam(SERVERS + "vllm_server_actor.py", 21, "create_server_socket,"),
         Seam(SERVERS + "vllm_server_actor.py", 473, "sock = create_server_socket(sock_addr)")),

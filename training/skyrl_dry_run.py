@@ -21,6 +21,12 @@ TRAIN_BATCH = 2  # prompts per step
 EVAL_ROWS = 2  # mazes of the eval set the dry run evaluates (the recipe's has 64)
 
 
+# The untrained tiny model samples from its whole vocabulary of 82, vision placeholders included: a sampled
+# <|image_pad|> is one more image slot than the rollout has pixels for, and the trainer's forward fails
+# ("Image features and image tokens do not match"). A real Qwen3-VL does not write them.
+NO_VISION_TOKENS = "additional_kwargs={bad_words: ['<|image_pad|>', '<|video_pad|>', '<|vision_start|>', '<|vision_end|>']}"
+
+
 def shrink_overrides(model: Path, datasets: Path, folder: Path, steps: int) -> list[str]:
     """A few steps of tiny batches; a checkpoint every step (a restart resumes from any), an eval and an HF
     export at the last one."""
@@ -33,7 +39,10 @@ def shrink_overrides(model: Path, datasets: Path, folder: Path, steps: int) -> l
         f"trainer.eval_batch_size={EVAL_ROWS}", "trainer.eval_before_train=false",
         f"trainer.eval_interval={steps}", "trainer.ckpt_interval=1", f"trainer.hf_save_interval={steps}",
         "generator.n_samples_per_prompt=2", "generator.max_turns=3",
-        "generator.sampling_params.max_generate_length=12", "trainer.max_prompt_length=256",
+        "generator.sampling_params.max_generate_length=12", f"generator.sampling_params.{NO_VISION_TOKENS}",
+        # setting eval_sampling_params replaces SkyRL's default one: greedy, as that default is
+        "generator.eval_sampling_params.temperature=0.0", "generator.eval_sampling_params.max_generate_length=12",
+        f"generator.eval_sampling_params.{NO_VISION_TOKENS}", "trainer.max_prompt_length=256",
         "generator.max_input_length=512", "data.dataloader.num_workers=0",
         f"data.train_data=['{datasets}/skyrl/train.parquet']", f"data.val_data=['{datasets}/skyrl/eval.parquet']",
         f"trainer.ckpt_path={folder / 'ckpt'}", f"trainer.export_path={folder / 'export'}",
