@@ -26,9 +26,6 @@ from rlops.layout import RoutesManifest, parse_s3_uri
 HOOKS_SECRET_FILE = "hooks-secret"
 SERVE_READY_TIMEOUT_S = 300.0
 FAST_STEPS = 6
-# The demo's GRPO stage keeps `make demo` under its 8 minutes on 2 cores (the stage took 342 s at the
-# 300 s training budget); `rlops train --local` keeps training.local.budget_s.
-DEMO_GRPO_BUDGET_S = 120.0
 WEBHOOK_CACHE_TTL_S = 2.5  # MLFLOW_WEBHOOK_CACHE_TTL of the embedded stack (rlops/stack.py) + margin
 
 
@@ -169,15 +166,15 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
             local = config.training.local.model_copy(update={"eval_samples": 0})
             config = config.model_copy(update={"training": config.training.model_copy(update={"local": local})})
         result = local_trainer.train(config, run_dir, fast=fast, steps=FAST_STEPS if fast else None,
-                                     budget_s=None if fast else min(config.training.local.budget_s, DEMO_GRPO_BUDGET_S),
                                      log=lambda line: echo(f"    {line}"))
         summary.run_id, summary.version = result.run_id, result.registered_version
         summary.solve_rate_before, summary.solve_rate_after = result.before, result.after
         summary.registration_refused = result.registration_refused
         outcome = (f"{result.registration_refused}; production keeps its current version"
                    if result.registration_refused else f"registered {model} v{result.registered_version}")
+        best = f" (best {result.best[1]} at step {result.best[0]})" if result.best and result.best[1] != result.after else ""
         echo(f"    run {result.run_id}: {result.steps} steps, {result.eval_data_source} solve rate "
-             f"{result.before} -> {result.after}; {outcome}")
+             f"{result.before} -> {result.after}{best}; {outcome}")
         if result.registered_version is None and not result.registration_refused:
             raise DemoError("training registered no checkpoint (no eval ran); nothing to promote")
     version = int(result.registered_version) if result.registered_version is not None else None

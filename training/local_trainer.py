@@ -373,6 +373,11 @@ class TrainResult:
         return self.curve[-1][1] if self.curve else None
 
     @property
+    def best(self) -> tuple[int, float] | None:
+        """(step, fixed-eval greedy solve rate) of the best eval, the earliest on a tie (step 0 = the base)."""
+        return max(self.curve, key=lambda point: (point[1], -point[0])) if self.curve else None
+
+    @property
     def sampled_before(self) -> float | None:
         return self.sampled_curve[0][1] if self.sampled_curve else None
 
@@ -383,7 +388,7 @@ class TrainResult:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["adapter_dir"] = str(self.adapter_dir) if self.adapter_dir else None
-        return data | {k: getattr(self, k) for k in ("before", "after", "sampled_before", "sampled_after")}
+        return data | {k: getattr(self, k) for k in ("before", "after", "best", "sampled_before", "sampled_after")}
 
 
 GRPO_PROMPTS = 2048
