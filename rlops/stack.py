@@ -270,16 +270,17 @@ def ray_node_env(config: Config, environ: Mapping[str, str] | None = None) -> di
 
 
 def ray_alive_nodes(config: Config) -> int:
-    """Raylets the cluster's GCS reports alive, through the dashboard's state API (0 if it does not answer)."""
-    os.environ.update(ray_client_env(config))  # read by Ray's token loader when the state API connects
-    from ray.util.state import list_nodes
-
+    """Raylets the cluster's GCS reports alive, from the dashboard's state API over HTTP with the token file
+    (0 if it does not answer). Not through `ray.util.state`: a process that used Ray before keeps the auth
+    token and mode it first loaded, and its requests to this cluster are then refused."""
     try:
-        nodes = list_nodes(address=config.ray_dashboard_url, filters=[("state", "=", "ALIVE")], timeout=5,
-                           raise_on_missing_output=False)
-    except Exception:  # noqa: BLE001 - the dashboard is not up (yet): no node counts as alive
+        token = (config.data_path / RAY_TOKEN_FILE).read_text().strip()
+        response = httpx.get(f"{config.ray_dashboard_url}/api/v0/nodes", timeout=10, headers={
+            "authorization": f"Bearer {token}"}, params={
+            "filter_keys": "state", "filter_predicates": "=", "filter_values": "ALIVE", "limit": 1000, "timeout": 5})
+        return len(response.json()["data"]["result"]["result"]) if response.status_code == 200 else 0
+    except (OSError, httpx.HTTPError, ValueError, KeyError, TypeError):  # not up (yet): no node counts as alive
         return 0
-    return len(nodes)
 
 
 RAY_NODE_ATTEMPTS = 4
