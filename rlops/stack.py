@@ -300,8 +300,9 @@ def _start_ray_node(config: Config, name: str, env: Mapping[str, str], alive_aft
                                    what=f"{name} (attempt {attempt}/{RAY_NODE_ATTEMPTS})")
             return
         except processes.ProcessError:
+            timed_out = record.process() is not None  # it is still running: another attempt would wait as long
             processes.stop(config.data_path, name)
-            if attempt == RAY_NODE_ATTEMPTS or record.process() is not None:  # a timeout is not retried
+            if attempt == RAY_NODE_ATTEMPTS or timed_out:
                 raise
 
 
