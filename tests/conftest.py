@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from rlops import stack as rlops_stack
-from rlops.config import RAY_TOKEN_FILE, Config, load_config, ray_client_env, s3_environment
+from rlops.config import RAY_TOKEN_FILE, Config, load_config, s3_environment
 from rlops.processes import free_port
 from rlops.processes import stop as stop_process
 
@@ -101,8 +101,10 @@ class RayClusterHandle:
     def job_client(self):
         from ray.job_submission import JobSubmissionClient
 
-        os.environ.update(ray_client_env(self.config))
-        return JobSubmissionClient(self.config.ray_dashboard_url)
+        # The token as a header: Ray keeps the auth mode and token this process first loaded (the session's
+        # serving tests ran their own Ray), so the env alone does not reach an already-initialised client.
+        token = (self.config.data_path / RAY_TOKEN_FILE).read_text().strip()
+        return JobSubmissionClient(self.config.ray_dashboard_url, headers={"authorization": f"Bearer {token}"})
 
 
 def ray_records(client, temp_dir: Path) -> dict[str, str]:
