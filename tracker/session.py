@@ -276,6 +276,10 @@ class RunSession:
         if table:
             self._uploader.add_table(table_artifact(data_source, step), table)
 
+    def train_samples_due(self, step: int) -> bool:
+        """Whether `log_samples(..., kind="train")` keeps GRPO groups of `step` (a caller may skip building them)."""
+        return step > self.resumed_after_step and step % self.config.tracking.sample_train_every == 0
+
     def log_samples(self, rows: list[dict], step: int, *, kind: str = "eval") -> int:
         """Log a bounded sample of answers (`tracking.sample_mazes` eval rows, or the rows of the first
         `tracking.sample_groups` GRPO groups for kind="train", at steps divisible by
@@ -289,9 +293,7 @@ class RunSession:
         check_rows(rows)
         limit = self.config.tracking.sample_mazes if kind == "eval" else self.config.tracking.sample_groups
         rows = bounded(rows, kind, limit)
-        tracking = self.config.tracking
-        if not rows or self._samples is None or (kind == "train" and (
-                step <= self.resumed_after_step or step % tracking.sample_train_every)):
+        if not rows or self._samples is None or (kind == "train" and not self.train_samples_due(step)):
             return 0
         self._samples.add(kind, step, rows)
         return len(rows)

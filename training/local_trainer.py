@@ -477,7 +477,7 @@ def group_rows(layouts: list[str], completions: list[str], rewards: list[float],
 
 class GroupSampleCallback(TrainerCallback):
     """Keeps the last generation batch the training reward scored (TRL calls it with every batch) and logs
-    the first groups of it at each logging step: what the policy tried, and what GRPO made of it."""
+    the first groups of it at the logging steps the tracker samples: what the policy tried, and what GRPO made of it."""
 
     def __init__(self, session, group_size: int):
         self.session, self.group_size = session, group_size
@@ -493,9 +493,9 @@ class GroupSampleCallback(TrainerCallback):
         return scored
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self._batch is not None and state.is_world_process_zero:
+        if self._batch is not None and state.is_world_process_zero and self.session.train_samples_due(state.global_step):
             self.session.log_samples(group_rows(*self._batch, self.group_size), step=state.global_step, kind="train")
-            self._batch = None
+        self._batch = None
 
 
 class QuietProgressCallback(ProgressCallback):
