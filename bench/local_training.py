@@ -94,7 +94,7 @@ def main() -> None:
         sets = [ds.local_eval_set(local.eval_size), ds.heldout_set(local.eval_size, 256)]
         before = evaluate_model(base, None, sets, local)
         run_dir = config.data_path / "runs" / time.strftime("%Y%m%d-%H%M%S")
-        result = train(config, run_dir, budget_s=budget, steps=100_000)
+        result = train(config, run_dir, budget_s=budget)  # the product's step cap: the lr schedule spans it
         best_step = result.best[0]  # what registration picks
         after = evaluate_model(base, run_dir / f"checkpoint-{best_step}" if best_step else None, sets, local)
         last = evaluate_model(base, result.adapter_dir, sets, local)

@@ -546,7 +546,7 @@ def grpo_trainer(config: Config, base: Path, run_dir: Path, steps: int, callback
     model = AutoModelForImageTextToText.from_pretrained(str(base), dtype=torch.float32)
     VisionCache.install(model)  # LoRA leaves the tower frozen: each maze image is encoded once
     args = GRPOConfig(
-        output_dir=str(run_dir), max_steps=steps, learning_rate=local.learning_rate, lr_scheduler_type="constant",
+        output_dir=str(run_dir), max_steps=steps, learning_rate=local.learning_rate, lr_scheduler_type=local.lr_schedule,
         per_device_train_batch_size=local.num_generations * local.prompts_per_step,
         num_generations=local.num_generations, max_completion_length=local.max_completion_tokens,
         temperature=local.temperature, beta=local.beta,
