@@ -8,9 +8,10 @@ the same MLflow run continues at the next step, every step is logged once, the l
 checkpoint and the HF export are LoggedModels with sha256 tags.
 
 Why the kill waits for the step's metrics: SkyRL 0.3.0 writes step N's checkpoint (trainer.py:473) before
-it logs step N (`on_log` after the eval, trainer.py:534), so a kill in between loses step N's
-training metrics for good: the resumed trainer starts at N + 1. Seen here (policy/* at [2, 3] only); it is
-the tracker's to fix (log the step at the checkpoint barrier), not this test's to hide."""
+it logs step N (`on_log` after the eval, trainer.py:534), and the resumed trainer starts at N + 1. The
+tracker now logs the step's metrics so far before the checkpoint (`TrackerCallback.log_before_checkpoint`,
+tested through SkyRL's loop in test_tracker_skyrl), but the step's own `timing/step` only exists at its
+`on_log`; waiting for it keeps this test's every-step-once check whole on the one metric that cannot be early."""
 from __future__ import annotations
 
 import json

@@ -95,9 +95,11 @@ def mocked_trainer(monkeypatch, cfg, session: RunSession, adapter: Path):
     return mock_workers(monkeypatch, trainer, adapter)
 
 
-def mock_workers(monkeypatch, trainer, adapter: Path, *, fail_at_step: int | None = None):
+def mock_workers(monkeypatch, trainer, adapter: Path, *, fail_at_step: int | None = None,
+                 fail_after_checkpoint_at: int | None = None):
     """Mock the trainer's GPU workers and rollouts; the worker "saves" a real PEFT adapter where SkyRL's
-    FSDP worker would (`global_step_N/policy/lora_adapter/`, or the HF export folder)."""
+    FSDP worker would (`global_step_N/policy/lora_adapter/`, or the HF export folder). `fail_at_step` fails
+    a step's training, `fail_after_checkpoint_at` the weight sync after that step's checkpoint."""
     cfg = trainer.cfg
 
     def save_adapter(model, folder, tokenizer=None):
@@ -107,7 +109,11 @@ def mock_workers(monkeypatch, trainer, adapter: Path, *, fail_at_step: int | Non
             (target / name).write_bytes((adapter / name).read_bytes())
 
     dispatch = MagicMock()
-    dispatch.save_weights_for_sampler = AsyncMock(return_value=None)
+    def sync_weights():
+        if trainer.global_step == fail_after_checkpoint_at:
+            raise RuntimeError("NCCL watchdog: the weight sync timed out")
+
+    dispatch.save_weights_for_sampler = AsyncMock(side_effect=sync_weights)
     dispatch.get_lcm_dp_size = MagicMock(return_value=1)
     dispatch.save_checkpoint = MagicMock(side_effect=save_adapter)
     dispatch.save_hf_model = MagicMock(side_effect=save_adapter)
@@ -144,7 +150,7 @@ def mock_workers(monkeypatch, trainer, adapter: Path, *, fail_at_step: int | Non
     return trainer
 
 
-def tracked_exp(monkeypatch, cfg, rlops_config, adapter: Path, *, fail_at_step: int | None = None):
+def tracked_exp(monkeypatch, cfg, rlops_config, adapter: Path, **failures):
     """A TrackedPPOExp whose `run()` goes through the real trainer loop with mocked workers.
     BasePPOExp.__init__ loads an HF tokenizer and datasets; the experiment's own code is what is under test."""
     exp = skyrl_tracker.TrackedPPOExp.__new__(skyrl_tracker.TrackedPPOExp)
@@ -155,7 +161,7 @@ def tracked_exp(monkeypatch, cfg, rlops_config, adapter: Path, *, fail_at_step: 
     def setup_trainer():  # BasePPOExp._setup_trainer minus model building: get_tracker, then get_trainer
         args = trainer_args(cfg)
         exp.trainer = exp.get_trainer(tracker=exp.get_tracker(), **args)
-        return mock_workers(monkeypatch, exp.trainer, adapter, fail_at_step=fail_at_step)
+        return mock_workers(monkeypatch, exp.trainer, adapter, **failures)
 
     monkeypatch.setattr(exp, "_setup_trainer", setup_trainer)
     return exp
@@ -274,6 +280,29 @@ def test_skyrl_resume_latest_continues_the_run_at_the_trainers_global_step(monke
     fresh = tracked_exp(monkeypatch, skyrl_config(tmp_path / "again", hf_save_interval=0), test_config, adapter)
     fresh.run()
     assert fresh.session.run_id != run_id
+
+
+def test_a_failure_between_a_checkpoint_and_its_log_keeps_the_steps_metrics_once(monkeypatch, test_config,
+                                                                                 tmp_path, mlflow_client, adapter):
+    """SkyRL saves step N's checkpoint before it logs step N, and a run resumed from that checkpoint starts
+    at N+1: the step's metrics go to the tracker (and its spool) before the checkpoint is written."""
+    cfg = skyrl_config(tmp_path, hf_save_interval=0)
+    crashed = tracked_exp(monkeypatch, cfg, test_config, adapter, fail_after_checkpoint_at=2)
+    with pytest.raises(RuntimeError, match="weight sync"):
+        crashed.run()
+    run_id = crashed.session.run_id
+    assert (Path(cfg.trainer.ckpt_path) / "global_step_2").is_dir()
+    for key in ("policy/policy_loss", "reward/avg_raw_reward", "environment/solved_at_1"):
+        assert [s for s, _ in metric_history(mlflow_client, run_id, key)] == [1, 2], key
+
+    resumed = tracked_exp(monkeypatch, skyrl_config(tmp_path, hf_save_interval=0, resume_mode="latest"),
+                          test_config, adapter)
+    resumed.run()
+    assert resumed.session.run_id == run_id
+    # each point once across the resume; a step's own total time ends after its checkpoint: step 2 has none
+    for key in ("policy/policy_loss", "reward/avg_raw_reward", "timing/generate", "timing/train_critic_and_policy"):
+        assert [s for s, _ in metric_history(mlflow_client, run_id, key)] == [1, 2, 3], key
+    assert [s for s, _ in metric_history(mlflow_client, run_id, "timing/step")] == [1, 3]
 
 
 def test_a_remote_ckpt_path_keeps_the_tracker_state_in_a_local_folder_keyed_by_it(test_config, tmp_path,

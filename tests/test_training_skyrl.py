@@ -106,7 +106,7 @@ def test_experiment_builds_trainer_with_callback_then_stops_at_gpu_placement(sky
     assert exp.node_monitors.actors == []  # one Ray node: the session's own monitor is that node's
     trainer = exp.get_trainer(exp.cfg, tracker, exp.tokenizer, exp.train_dataset, exp.eval_dataset,
                               inference_engine_client=None, generator=None, colocate_pg=None)
-    assert isinstance(trainer, TrackedRayPPOTrainer) and trainer.rlops_session is exp.session
+    assert isinstance(trainer, TrackedRayPPOTrainer) and trainer.rlops_callback.session is exp.session
     assert any(isinstance(cb, TrackerCallback) for cb in trainer._callback_handler.callbacks)
     with pytest.raises(RuntimeError, match=r"requiring [1-9][\d.]* GPUs"):
         trainer.build_models(PolicyWorkerBase, CriticWorkerBase, RefWorkerBase)

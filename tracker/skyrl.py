@@ -138,6 +138,7 @@ class TrackerCallback(TrainingCallback):
         self.eval_data_source = eval_data_source
         self.task_columns = task_columns
         self._eval_step: int | None = None  # the step of the last on_eval_end
+        self._before_checkpoint: tuple[int, dict[str, float]] = (-1, {})  # what log_before_checkpoint sent
         self.blocking_s = 0.0
         self.entered = 0.0
 
@@ -146,12 +147,23 @@ class TrackerCallback(TrainingCallback):
         self.session.log_metrics({"trainer/start_step": callback_input.global_step}, step=callback_input.global_step)
 
     @blocking
+    def log_before_checkpoint(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Step `step`'s metrics so far, logged before its checkpoint is written: SkyRL saves step N
+        (trainer.py:473) before it logs step N (`on_log`, trainer.py:534), and a run resumed from that
+        checkpoint starts at N+1, so a kill in between would lose them. `on_log` then skips these points."""
+        early = {k: v for k, v in numeric(metrics).items() if not k.startswith(EVAL_PREFIX)}
+        if early:
+            self.session.log_metrics(early, step=step)
+        self._before_checkpoint = (step, early)
+
+    @blocking
     def on_log(self, trainer, callback_input, control) -> None:
         logs, step = callback_input.logs, callback_input.global_step
         # the hooks' time since the previous step's log; the rest of this hook (the log call) counts next
         so_far = time.perf_counter() - self.entered
         blocking_s = self.blocking_s + so_far
-        if logs and step != self._eval_step:
+        logged_step, logged = self._before_checkpoint
+        if logs and step != self._eval_step and step != logged_step:
             # the training thread's hot path: outside an eval step a payload holds no eval/* keys, so it
             # goes over as it is (the session checks every value at C speed; no Python loop here)
             try:
@@ -163,6 +175,8 @@ class TrackerCallback(TrainingCallback):
         logs = logs or {}
         # eval/* keys are in this payload too; on_eval_end already logged them, linked to the checkpoint
         metrics = {k: v for k, v in numeric(logs).items() if not k.startswith(EVAL_PREFIX)}
+        if step == logged_step:  # a value that changed since is logged again, the rest once
+            metrics = {k: v for k, v in metrics.items() if logged.get(k) != v}
         if metrics:
             metrics[BLOCKING_METRIC] = blocking_s
             self.blocking_s = -so_far
@@ -272,21 +286,23 @@ def log_adapter(session: RunSession, folder: str | None, step: int) -> bool:
 
 class TrackedRayPPOTrainer(RayPPOTrainer):
     """RayPPOTrainer whose HF export (`hf_save_interval`, which fires no callback event) is archived too,
-    and whose checkpoint saves wait for the session's queued points to be spooled (`resume_mode=latest`
-    after a kill -9 then replays every step the tracker lost)."""
+    and whose checkpoint saves first log the step's metrics so far and wait for the session's queued
+    points to be spooled (`resume_mode=latest` after a kill -9 then replays every step the tracker lost)."""
 
-    rlops_session: RunSession | None = None
+    rlops_callback: TrackerCallback | None = None
 
     def save_checkpoints(self) -> str:
-        if self.rlops_session is not None:
-            self.rlops_session.barrier()
+        if self.rlops_callback is not None:
+            timings = {f"timing/{k}": v for k, v in self.all_timings.items()}
+            self.rlops_callback.log_before_checkpoint(self.global_step, {**self.all_metrics, **timings})
+            self.rlops_callback.session.barrier()
         return super().save_checkpoints()
 
     def save_models(self) -> None:
         super().save_models()
-        if self.rlops_session is not None:
+        if self.rlops_callback is not None:
             export = Path(self.cfg.trainer.export_path) / f"global_step_{self.global_step}"
-            log_adapter(self.rlops_session, str(export), self.global_step)
+            log_adapter(self.rlops_callback.session, str(export), self.global_step)
 
 
 def tracker_run_dir(cfg: Any, rlops_config: Config) -> Path:
@@ -366,5 +382,5 @@ def attach(trainer: RayPPOTrainer, session: RunSession, *, eval_data_source: str
     callback = TrackerCallback(session, eval_data_source=eval_data_source, task_columns=task_columns)
     trainer.add_callback(callback)
     if isinstance(trainer, TrackedRayPPOTrainer):
-        trainer.rlops_session = session
+        trainer.rlops_callback = callback
     return callback
