@@ -171,7 +171,8 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
         summary.solve_rate_before, summary.solve_rate_after = result.before, result.after
         summary.registration_refused = result.registration_refused
         outcome = (f"{result.registration_refused}; production keeps its current version"
-                   if result.registration_refused else f"registered {model} v{result.registered_version}")
+                   if result.registration_refused else f"registered {model} v{result.registered_version}"
+                   + (f": it beat the base, {result.registration_evidence}" if result.registration_evidence else ""))
         best = f" (best {result.best[1]} at step {result.best[0]})" if result.best and result.best[1] != result.after else ""
         echo(f"    run {result.run_id}: {result.steps} steps, {result.eval_data_source} solve rate "
              f"{result.before} -> {result.after}{best}; {outcome}")

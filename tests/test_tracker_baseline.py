@@ -64,6 +64,13 @@ def test_a_checkpoint_that_does_not_beat_the_base_registers_nothing_and_one_that
         session.log_eval(source, 13 / 16, rows(set(range(13))), step=5)  # +7, p = 2**-7
         version = session.register_best(source)
     assert version is not None and version.tags["rlops.step"] == "5" and session.registration_refused is None
+    # the passed test is on the version (tag, description) and the run, as the refusal would have been
+    evidence = "base 0.375 vs best 0.812 (7 mazes gained, 0 lost, p=0.0078)"
+    assert session.registration_evidence == evidence
+    registered = mlflow_client.get_model_version(test_config.registered_model, version.version)
+    assert registered.tags["rlops.beat_base"] == evidence and evidence in registered.description
+    assert mlflow_client.get_run(session.run_id).data.tags["rlops.registration"] == (
+        f"{test_config.registered_model} v{version.version} (step 5; {evidence})")
 
 
 def test_the_skyrl_path_compares_the_dumped_per_maze_evals_with_the_step_0_eval(

@@ -74,11 +74,14 @@ def checkpoint_params(adapter_config: Path, model_tags: Mapping[str, str]) -> di
 
 def version_description(*, metric_key: str, value: float, step: int, run_name: str | None, run_id: str,
                         base_model: str | None, base_digest: str | None, eval_set: str | None,
-                        eval_digest: str | None) -> str:
-    """The registered version's description: which score, where it came from, on which eval set."""
+                        eval_digest: str | None, beat_base: str | None = None) -> str:
+    """The registered version's description: which score, where it came from, on which eval set, and how
+    it beat the base (`beat_base`, the paired test's summary) when it was compared."""
     lines = [f"**{metric_key} = {value:.4g}** at step {step}",
              f"- run: {run_name or run_id} (`{run_id}`)",
              f"- base: {base_model or 'unknown'}" + (f", content sha256 `{base_digest}`" if base_digest else "")]
     if eval_set:
         lines.append(f"- eval set: {eval_set}, layout sha256 `{eval_digest or 'unknown'}`")
+    if beat_base:
+        lines.append(f"- beat the base (paired sign test): {beat_base}")
     return "\n".join(lines)

@@ -29,6 +29,7 @@ from tracker.spool import Point
 log = logging.getLogger(__name__)
 
 TAG_REGISTRATION = "rlops.registration"
+TAG_BEAT_BASE = "rlops.beat_base"  # on a registered version: the paired test it passed against the base
 
 
 class Registration:
@@ -51,6 +52,7 @@ class Registration:
         self._model_tags = model_tags
         self.registered: ModelVersion | None = None
         self.refused: str | None = None  # why the last registration registered nothing, if it did not
+        self.evidence: str | None = None  # how the registered checkpoint beat the base, when it was compared
 
     def register_best(self, source: str) -> ModelVersion | None:
         """Register now if everything landed in time, else queue it (returns None then, and when no
@@ -90,24 +92,29 @@ class Registration:
         if not scored:
             log.warning("register_best: no checkpoint of run %s carries %s", self._run_id, key)
             return None
-        refusal = self._refusal(source, scored[0].step)
-        if refusal is not None:
-            log.warning("register_best: %s", refusal)
-            self._client.set_tag(self._run_id, TAG_REGISTRATION, refusal)
-            self.refused = refusal
+        comparison = self._base_comparison(source, scored[0].step)
+        if comparison is not None and not comparison.beats(self._config.tracking.beat_base_max_p):
+            self.refused = comparison.refusal()
+            log.warning("register_best: %s", self.refused)
+            self._client.set_tag(self._run_id, TAG_REGISTRATION, self.refused)
             return None
         self.refused = None
+        self.evidence = comparison.describe() if comparison is not None else None
         name = self._config.registered_model
         eval_sha256 = dataset.layout_sha256 if dataset else None
         description = lineage.version_description(
             metric_key=key, value=scored[0].value, step=scored[0].step, run_id=self._run_id,
             run_name=self._client.get_run(self._run_id).info.run_name,
             base_model=self._model_tags.get(TAG_BASE_MODEL),
-            base_digest=self._model_tags.get(TAG_BASE_MODEL_SHA256), eval_set=source, eval_digest=eval_sha256)
+            base_digest=self._model_tags.get(TAG_BASE_MODEL_SHA256), eval_set=source, eval_digest=eval_sha256,
+            beat_base=self.evidence)
         version = registry.register_checkpoint(self._client, name, self._run_id, scored[0], key,
                                                self._config.tracking.register_aliases,
                                                eval_set_sha256=eval_sha256, description=description)
-        self._client.set_tag(self._run_id, TAG_REGISTRATION, f"{name} v{version.version} (step {scored[0].step})")
+        if self.evidence:
+            self._client.set_model_version_tag(name, version.version, TAG_BEAT_BASE, self.evidence)
+        because = f"; {self.evidence}" if self.evidence else ""
+        self._client.set_tag(self._run_id, TAG_REGISTRATION, f"{name} v{version.version} (step {scored[0].step}{because})")
         self.registered = version
         keep_best = self._config.tracking.keep_best_checkpoints
         if keep_best:
@@ -116,11 +123,10 @@ class Registration:
                 self._client.delete_logged_model(model_id)
         return version
 
-    def _refusal(self, source: str, best_step: int) -> str | None:
-        """Why the checkpoint of `best_step` may not register (it did not beat the step-0 eval by the paired
-        test), or None. A run without a step-0 per-maze table of `source` has no base to compare with."""
-        max_p = self._config.tracking.beat_base_max_p
-        if max_p is None:
+    def _base_comparison(self, source: str, best_step: int) -> baseline.BaselineComparison | None:
+        """The paired test of the checkpoint of `best_step` against the step-0 eval (the base), or None when
+        the rule is off (`beat_base_max_p` null) or the run has no step-0 per-maze table of `source`."""
+        if self._config.tracking.beat_base_max_p is None:
             return None
         base = registry.eval_outcomes(self._client, self._run_id, source, 0)
         best = registry.eval_outcomes(self._client, self._run_id, source, best_step) if best_step else base
@@ -130,4 +136,4 @@ class Registration:
             return None
         comparison = baseline.compare(base, best)
         log.info("register_best: %s on %s", comparison.describe(), source)
-        return None if comparison.beats(max_p) else comparison.refusal()
+        return comparison

@@ -186,6 +186,11 @@ class RunSession:
         return self._registration.refused
 
     @property
+    def registration_evidence(self) -> str | None:
+        """How the version this session registered last beat the base (the paired test), if it was compared."""
+        return self._registration.evidence
+
+    @property
     def failed_requests(self) -> int:
         """How many metric requests to MLflow failed and were retried (an outage shows up here)."""
         return self._outbox.sender.failed_requests

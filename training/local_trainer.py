@@ -361,6 +361,7 @@ class TrainResult:
     sampled_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, pass@1 at the training temperature)
     registered_version: str | None = None
     registration_refused: str | None = None  # why nothing registered: no checkpoint beat the base
+    registration_evidence: str | None = None  # how the registered checkpoint beat the base
     adapter_dir: Path | None = None  # the last checkpoint's adapter folder
 
     # The fixed-eval score before training (step 0) and of the last checkpoint, for each decoding.
@@ -672,6 +673,7 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
         version = session.register_best(result.eval_data_source)
         result.registered_version = version.version if version is not None else None
         result.registration_refused = session.registration_refused
+        result.registration_evidence = session.registration_evidence
     last = run_dir / f"checkpoint-{result.steps}"
     result.adapter_dir = last if last.is_dir() else None
     return result
