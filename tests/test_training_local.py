@@ -6,12 +6,13 @@ import pytest
 from click.testing import CliRunner
 
 from rlops.cli import main
+from rlops.config import Config
 from training import datasets as ds
 from test_tracker_support import logged_table
 from tracker.lineage import content_digest
 from training.local_trainer import (
     LORA_TARGETS, SAMPLED_METRIC, TrainingError, check_fits_machine, completion_text, estimate_parameters, evaluate,
-    grpo_mazes, maze_mean_interval, maze_reward, shaped_reward, solved_reward, tiny_init_dir, train, wilson_interval,
+    grpo_mazes, maze_mean_interval, sft_mazes, maze_reward, shaped_reward, solved_reward, tiny_init_dir, train, wilson_interval,
 )
 from training.maze import answer_text, generate_maze, move, solve, walk_answer
 
@@ -41,6 +42,14 @@ def test_trl_reward_functions_read_the_layout_column():
     assert maze_reward([None, None], completions, layout=[layout, layout])[0] == 1.0
     assert solved_reward([None, None], completions, layout=[layout, layout]) == [1.0, 0.0]
     assert completion_text([{"role": "assistant", "content": [{"type": "text", "text": "left stop"}]}]) == "left stop"
+
+
+def test_local_training_never_sees_a_fixed_eval_or_held_out_layout():
+    config = Config()
+    evals = {ds.layout_key(m) for s in ds.local_eval_sets(config.training.local.eval_size) for m in s.mazes()}
+    assert len(evals) >= 256
+    for mazes in (sft_mazes(config), grpo_mazes(config)):
+        assert len(mazes) >= 2048 and not {ds.layout_key(m) for m in mazes} & evals
 
 
 def test_wilson_interval_brackets_the_rate():

@@ -318,16 +318,23 @@ class _SftCollator:
         return solve(maze) if self.rng.random() < self.optimal_fraction else random_walk(maze, self.rng)
 
 
+def sft_mazes(config: Config) -> list[Maze]:
+    """The SFT set: mazes of `maze_sizes`, the fixed eval and held-out layouts excluded."""
+    local = config.training.local
+    return ds.training_mazes(local.maze_sizes, max(64, local.sft_steps * 16 // 3),
+                             exclude=ds.local_eval_sets(local.eval_size))
+
+
 def sft(init_dir: Path, out_dir: Path, config: Config) -> dict:
-    """Supervised warm start of the full tiny model on BFS-optimal answers (transformers `Trainer`)."""
+    """Supervised warm start of the full tiny model (transformers `Trainer`) on random walks that read the
+    walls, with `sft_optimal_fraction` of BFS-optimal answers among them."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainingArguments
 
     local = config.training.local
     processor = AutoProcessor.from_pretrained(str(init_dir))
     model = AutoModelForImageTextToText.from_pretrained(str(init_dir), dtype=torch.float32)
-    mazes = ds.training_mazes(local.maze_sizes, max(64, local.sft_steps * 16 // 3),
-                              exclude=ds.local_eval_sets(local.eval_size))
+    mazes = sft_mazes(config)
     work = Path(out_dir).with_name(Path(out_dir).name + ".sft-work")
     args = TrainingArguments(
         output_dir=str(work), max_steps=max(1, local.sft_steps), per_device_train_batch_size=16,
