@@ -32,6 +32,7 @@ from rlops.layout import (
     resolve_model_name,
     routes_prefix,
     routes_stamp_key,
+    version_folder,
 )
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,29 @@ class RoutesTable:
     def models_json(self) -> bytes:
         """The `/v1/models` body, serialized once per table (10k entries stay fast)."""
         return json.dumps({"object": "list", "data": self.model_cards()}, separators=(",", ":")).encode()
+
+
+def hot_adapter_ids(table: RoutesTable, cap: int) -> list[str]:
+    """Internal ids of the adapters every LLM replica should hold before traffic asks for them, newest first,
+    at most `cap` (the replica's adapter slots: preloading more would evict what is served). Hot: each served
+    alias's target and canary, and each pending `preview` (`promote --verify` publishes it, then evaluates it,
+    then moves the alias: a preview newer than its alias's target is the next target). Newest by the time each
+    became hot (`promoted_at`, a preview's `at`)."""
+    became_hot: dict[str, str] = {}
+    for model, manifest in table.manifests.items():
+        served = [route for alias, route in [*manifest.aliases.items(), *manifest.canaries.items()]
+                  if alias in table.served_aliases]
+        hot = [(route.folder, route.promoted_at) for route in served]
+        collected = manifest.collected_versions()
+        for entry in manifest.history:
+            target = manifest.aliases.get(entry.alias)
+            if entry.event == "preview" and entry.version not in collected and (
+                    target is None or (target.version != entry.version and entry.at > target.promoted_at)):
+                hot.append((version_folder(model, entry.version), entry.at))
+        for folder, at in hot:
+            key = internal_model_id(table.base_model_id, folder)
+            became_hot[key] = max(at, became_hot.get(key, ""))
+    return sorted(became_hot, key=lambda key: (became_hot[key], key), reverse=True)[:cap]
 
 
 def _card(model_id: str, metadata: dict[str, Any]) -> dict[str, Any]:
