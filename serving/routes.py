@@ -21,7 +21,7 @@ from xml.etree import ElementTree
 
 import httpx
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlops.layout import (
     Resolution,
@@ -29,6 +29,7 @@ from rlops.layout import (
     S3Location,
     model_from_routes_key,
     parse_model_name,
+    parse_s3_uri,
     resolve_model_name,
     routes_prefix,
     routes_stamp_key,
@@ -276,3 +277,33 @@ class RoutesCache:
         if wait and self._thread is not None:
             self._thread.join(timeout=5)
 
+
+
+PRELOAD_KEY = "rlops_preload"  # LLMConfig.experimental_configs key: the LLM replicas' RoutesSettings (absent: off)
+
+
+class RoutesSettings(BaseModel):
+    """What a replica needs to follow the manifests (plain, serializable, no secrets)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_model_id: str
+    lora_path: str
+    served_aliases: list[str]
+    default_alias: str
+    staleness_s: float = Field(gt=0)
+    relist_s: float = Field(gt=0)
+
+
+def replica_routes_cache(settings: RoutesSettings) -> RoutesCache:
+    """A RoutesCache on the replica's S3: boto3 reads AWS_ENDPOINT_URL / AWS_REGION / credentials from the
+    replica's environment, as Ray's own LoRA downloader does; short timeouts keep a dead S3 from stalling
+    the refresh."""
+    import boto3
+    from botocore.config import Config as BotoConfig
+
+    s3_client = boto3.client("s3", config=BotoConfig(connect_timeout=2, read_timeout=5, signature_version="s3v4",
+                                                     retries={"max_attempts": 2}))
+    return RoutesCache(s3_client, parse_s3_uri(settings.lora_path), base_model_id=settings.base_model_id,
+                       served_aliases=settings.served_aliases, default_alias=settings.default_alias,
+                       staleness_s=settings.staleness_s, relist_s=settings.relist_s)

@@ -260,6 +260,25 @@ def test_app_args_and_print_config_carry_no_secrets(stack):
     assert set(refs) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "RLOPS_TEST_KEYS"}
 
 
+def test_llm_replicas_preload_with_the_ingress_routes_settings_unless_switched_off():
+    """Both deployments follow the manifests with the same settings; `serving.preload_adapters: false` keeps
+    the server class (one adapter load at a time) but leaves loading to the requests."""
+    from rlops.config import Config
+    from serving.app import app_args
+    from serving.ingress import IngressSettings
+    from serving.routes import PRELOAD_KEY, RoutesSettings
+
+    config = Config()
+    llm = app_args(config, "cpu")["llm_configs"][0]
+    assert llm["server_cls"] == "serving.preload:PreloadingLLMServer"
+    preload = RoutesSettings.model_validate(llm["experimental_configs"][PRELOAD_KEY])
+    ingress = IngressSettings.model_validate(app_args(config, "cpu")["ingress_cls_config"]["ingress_extra_kwargs"]["settings"])
+    assert preload == RoutesSettings.model_validate(ingress.model_dump(include=set(RoutesSettings.model_fields)))
+    config.serving.preload_adapters = False
+    off = app_args(config, "cpu")["llm_configs"][0]
+    assert off["server_cls"] == llm["server_cls"] and "experimental_configs" not in off
+
+
 # ------------------------------------------------------------------------------------------ the cache on S3
 
 
