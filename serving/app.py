@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any, Callable, Mapping
 
 from rlops.config import Config, ConfigError, ray_client_env, replica_environment, s3_environment
@@ -163,4 +164,10 @@ def run(config: Config, environ: Mapping[str, str], *, blocking: bool = True,
     if blocking:
         from ray.serve._private.utils import wait_for_interrupt
 
-        wait_for_interrupt()
+        # `rlops down` stops this process with SIGTERM; as Ctrl-C, it runs the cleanup below.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            wait_for_interrupt()
+        finally:
+            if config.ray_address:  # the app outlives its driver on a cluster: its replicas would keep the CPUs
+                serve.delete(APP_NAME)
