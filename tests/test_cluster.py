@@ -465,3 +465,6 @@ def test_local_cluster_keys_map_onto_the_manifests(tmp_path):
                                "max_replicas": config.serving.ingress_replicas}
     [gpu] = service["rayClusterConfig"]["workerGroupSpecs"]
     assert gpu["maxReplicas"] >= config.serving.max_replicas  # one GPU worker per vLLM replica
+    llm = args["llm_configs"][0]
+    assert config.serving.preload_adapters == ("rlops_preload" in llm.get("experimental_configs", {}))
+    assert llm["server_cls"] == "serving.preload:PreloadingLLMServer"
