@@ -166,6 +166,7 @@ def main() -> None:
                 print(f"without preloading: {sides['without']} ({time.perf_counter() - started:.0f} s with the deploy)")
                 config.serving.preload_adapters = True
                 started = time.perf_counter()
+                serve.delete(APP_NAME)  # a fresh deploy like the first (an in-place update needs spare CPUs)
                 sides["with"] = run_side(config, url, versions[1 + args.flips:],
                                          lambda: serve.run(build_app(config), name=APP_NAME, route_prefix="/"))
                 print(f"with preloading: {sides['with']} ({time.perf_counter() - started:.0f} s with the redeploy)")
