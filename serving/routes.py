@@ -278,7 +278,6 @@ class RoutesCache:
             self._thread.join(timeout=5)
 
 
-
 PRELOAD_KEY = "rlops_preload"  # LLMConfig.experimental_configs key: the LLM replicas' RoutesSettings (absent: off)
 
 
