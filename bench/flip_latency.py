@@ -136,7 +136,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import mlflow
-    from ray import serve
 
     import serving
     from registry_hooks import operations
@@ -164,6 +163,8 @@ def main() -> None:
                 sides["without"] = run_side(config, url, versions[1:1 + args.flips],
                                             lambda: serving.run(config, os.environ, blocking=False))
                 print(f"without preloading: {sides['without']} ({time.perf_counter() - started:.0f} s with the deploy)")
+                from ray import serve  # only now: serving.run set Ray's auth env before its first import
+
                 config.serving.preload_adapters = True
                 started = time.perf_counter()
                 serve.delete(APP_NAME)  # a fresh deploy like the first (an in-place update needs spare CPUs)
@@ -171,9 +172,10 @@ def main() -> None:
                                          lambda: serve.run(build_app(config), name=APP_NAME, route_prefix="/"))
                 print(f"with preloading: {sides['with']} ({time.perf_counter() - started:.0f} s with the redeploy)")
             finally:
-                serve.delete(APP_NAME)
                 import ray
+                from ray import serve
 
+                serve.delete(APP_NAME)
                 ray.shutdown()
 
     on, off = sides["with"], sides["without"]

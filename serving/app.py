@@ -139,13 +139,15 @@ def run(config: Config, environ: Mapping[str, str], *, blocking: bool = True,
     """Start the app on the local cluster of `rlops up` (`ray.nodes` >= 1) or else on a fresh in-process Ray,
     Serve on `serving.host:port`; `on_ready` is called once every deployment runs (the vLLM replicas have
     loaded); then blocks until stopped unless `blocking` is False."""
-    import ray
-    from ray import serve
-
     serving = config.serving
     env = replica_environment(config, environ)  # checked even on the cluster: its nodes got it at `rlops up`
     if config.ray_address:
+        # Before Ray's first import: its core reads the auth mode from the env once (else "disabled").
         os.environ.update(ray_client_env(config))
+    import ray
+    from ray import serve
+
+    if config.ray_address:
         ray.init(address=config.ray_address)
         # One HTTP proxy, on the head: the raylets share one IP here, so per-node proxies would fight for the port.
         proxy_location = "HeadOnly"

@@ -165,7 +165,7 @@ def test_two_ingress_and_two_llm_replicas_flip_production_together(ray_cluster, 
 
     try:
         log = Path(record.log)
-        waited = processes.wait_healthy(record, lambda: "ready: " in log.read_text(errors="replace"), timeout_s=900)
+        waited = processes.wait_healthy(record, lambda: f"ready: {url}/v1" in log.read_text(errors="replace"), timeout_s=900)
         print(f"\n2 ingress + 2 vLLM replicas ready in {waited:.0f} s")
         v2_id = f"{config.serving.base_model_id}:{version_folder(model, v2)}"
 
