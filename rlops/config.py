@@ -202,6 +202,8 @@ class ServingConfig(_Section):
     min_replicas: int = Field(1, ge=0, description="LLM replicas (vLLM engines): Serve autoscales between these")
     max_replicas: int = Field(1, ge=1)
     ingress_replicas: int = Field(1, ge=1, description="replicas of the alias ingress (each refreshes routes itself)")
+    preload_adapters: bool = Field(True, description="every LLM replica loads each served target, canary and pending "
+                                   "`--verify` preview as soon as it is published, not on its first request")
     replica_cpus: float = Field(1.0, gt=0, description="CPU only: CPUs reserved per LLM replica and per ingress replica")
     local_num_cpus: int = Field(4, ge=1, description="logical CPUs of the local Ray started by `rlops serve`")
     metrics_port: int | None = Field(None, ge=1, le=65535,

@@ -258,6 +258,9 @@ def ray_node_env(config: Config, environ: Mapping[str, str] | None = None) -> di
     env["MLFLOW_TRACKING_URI"] = config.tracking_uri
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["RAY_JOB_STOP_WAIT_TIME_S"] = str(config.ray.job_stop_wait_s)
+    # One Serve proxy (HeadOnly, see serving.run) for every node's ingress replicas: preferring its own node's,
+    # it would send all traffic to the head's replica and none to the others.
+    env["RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING"] = "0"
     # How long a raylet waits for its agents' port files: the dashboard agent's imports alone take > 40 s on
     # 2 loaded cores, and the default timeout then kills the raylet.
     env.setdefault("RAY_agent_register_timeout_ms", "300000")

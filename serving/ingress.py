@@ -18,7 +18,7 @@ import time
 from typing import Any, AsyncIterator, Mapping
 
 from fastapi import HTTPException, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ray.llm._internal.serve.core.configs.openai_api_models import (
@@ -26,9 +26,10 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
     CompletionRequest,
     OpenAIHTTPException,
 )
+from ray import serve
 from ray.serve.llm.ingress import OpenAiIngress
-from rlops.layout import ModelNameError, Resolution, parse_s3_uri
-from serving.routes import RoutesCache, internal_model_id
+from rlops.layout import ModelNameError, Resolution
+from serving.routes import RoutesSettings, internal_model_id, replica_routes_cache
 from serving.validation import RequestError, check_body
 
 # A child of Ray Serve's logger: replica logs with its request/replica context, at its level.
@@ -36,19 +37,12 @@ log = logging.getLogger("ray.serve.rlops")
 
 VERSION_HEADER = "x-rlops-model-version"
 ALIAS_HEADER = "x-rlops-model-alias"
+REPLICA_HEADER = "x-rlops-replica"  # which ingress replica answered (Serve's replica id): several run at once
 
 
-class IngressSettings(BaseModel):
+class IngressSettings(RoutesSettings):
     """What the ingress replica needs, passed through `ingress_extra_kwargs` (plain, serializable, no secrets)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    base_model_id: str
-    lora_path: str
-    served_aliases: list[str]
-    default_alias: str
-    staleness_s: float = Field(gt=0)
-    relist_s: float = Field(gt=0)
     max_request_bytes: int = Field(gt=0)
     max_image_pixels: int = Field(gt=0)
     api_keys_env: str | None = None  # name of the env var with comma-separated keys; None = no auth
@@ -253,23 +247,13 @@ class AliasIngress(OpenAiIngress):
     """Plugged into `build_openai_app` with `ingress_cls_config` (`serving.ingress:AliasIngress`)."""
 
     def __init__(self, llm_deployments, model_cards, *, lora_paths=None, settings: Mapping[str, Any], **kwargs):
-        import boto3
-        from botocore.config import Config as BotoConfig
-
         super().__init__(llm_deployments, model_cards, lora_paths=lora_paths, **kwargs)
         self._settings = IngressSettings.model_validate(dict(settings))
         # The replica is an entry point: keys come from its environment (a Kubernetes secret in the cluster).
         self._api_keys = api_key_digests(os.environ, self._settings.api_keys_env)
-        # boto3 reads AWS_ENDPOINT_URL / AWS_REGION / credentials from the job-level runtime env, as Ray's own
-        # LoRA downloader does; short timeouts keep a dead S3 from stalling the refresh thread.
-        s3_client = boto3.client("s3", config=BotoConfig(connect_timeout=2, read_timeout=5, signature_version="s3v4",
-                                                         retries={"max_attempts": 2}))
-        self._routes = RoutesCache(
-            s3_client, parse_s3_uri(self._settings.lora_path), base_model_id=self._settings.base_model_id,
-            served_aliases=self._settings.served_aliases, default_alias=self._settings.default_alias,
-            staleness_s=self._settings.staleness_s, relist_s=self._settings.relist_s,
-        )
+        self._routes = replica_routes_cache(self._settings)
         self._routes.start()
+        self._replica_headers = {REPLICA_HEADER: serve.get_replica_context().replica_tag}
         self._metrics = IngressMetrics()
         # A retry after one routes refresh sees whatever the registry now publishes for the name.
         self._retry_after_s = max(1, math.ceil(self._settings.staleness_s))
@@ -304,7 +288,7 @@ class AliasIngress(OpenAiIngress):
         if resolution.ref.model is not None:
             metadata.update(registered_model=resolution.ref.model, alias=resolution.alias, version=resolution.version)
         card = {"id": model, "object": "model", "owned_by": "rlops", "permission": [], "metadata": metadata}
-        return JSONResponse(card, headers=version_headers(resolution))
+        return JSONResponse(card, headers={**version_headers(resolution), **self._replica_headers})
 
     async def embeddings(self, request: Request) -> Response:
         return self._not_served("/v1/embeddings")
@@ -340,7 +324,10 @@ class AliasIngress(OpenAiIngress):
             response = await self._forward(body, resolution, endpoint, request)
         except ClientError as err:
             self._finish(resolution, endpoint, err.status, started, stream=False)
-            return err.response()
+            response = err.response()
+            response.headers.update(self._replica_headers)
+            return response
+        response.headers.update(self._replica_headers)
         if isinstance(response, StreamingResponse):
             response.body_iterator = self._finish_after(response.body_iterator, resolution, endpoint, started)
         else:

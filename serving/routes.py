@@ -21,7 +21,7 @@ from xml.etree import ElementTree
 
 import httpx
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlops.layout import (
     Resolution,
@@ -29,9 +29,11 @@ from rlops.layout import (
     S3Location,
     model_from_routes_key,
     parse_model_name,
+    parse_s3_uri,
     resolve_model_name,
     routes_prefix,
     routes_stamp_key,
+    version_folder,
 )
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,29 @@ class RoutesTable:
     def models_json(self) -> bytes:
         """The `/v1/models` body, serialized once per table (10k entries stay fast)."""
         return json.dumps({"object": "list", "data": self.model_cards()}, separators=(",", ":")).encode()
+
+
+def hot_adapter_ids(table: RoutesTable, cap: int) -> list[str]:
+    """Internal ids of the adapters every LLM replica should hold before traffic asks for them, newest first,
+    at most `cap` (the replica's adapter slots: preloading more would evict what is served). Hot: each served
+    alias's target and canary, and each pending `preview` (`promote --verify` publishes it, then evaluates it,
+    then moves the alias: a preview newer than its alias's target is the next target). Newest by the time each
+    became hot (`promoted_at`, a preview's `at`)."""
+    became_hot: dict[str, str] = {}
+    for model, manifest in table.manifests.items():
+        served = [route for alias, route in [*manifest.aliases.items(), *manifest.canaries.items()]
+                  if alias in table.served_aliases]
+        hot = [(route.folder, route.promoted_at) for route in served]
+        collected = manifest.collected_versions()
+        for entry in manifest.history:
+            target = manifest.aliases.get(entry.alias)
+            if entry.event == "preview" and entry.version not in collected and (
+                    target is None or (target.version != entry.version and entry.at > target.promoted_at)):
+                hot.append((version_folder(model, entry.version), entry.at))
+        for folder, at in hot:
+            key = internal_model_id(table.base_model_id, folder)
+            became_hot[key] = max(at, became_hot.get(key, ""))
+    return sorted(became_hot, key=lambda key: (became_hot[key], key), reverse=True)[:cap]
 
 
 def _card(model_id: str, metadata: dict[str, Any]) -> dict[str, Any]:
@@ -252,3 +277,32 @@ class RoutesCache:
         if wait and self._thread is not None:
             self._thread.join(timeout=5)
 
+
+PRELOAD_KEY = "rlops_preload"  # LLMConfig.experimental_configs key: the LLM replicas' RoutesSettings (absent: off)
+
+
+class RoutesSettings(BaseModel):
+    """What a replica needs to follow the manifests (plain, serializable, no secrets)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_model_id: str
+    lora_path: str
+    served_aliases: list[str]
+    default_alias: str
+    staleness_s: float = Field(gt=0)
+    relist_s: float = Field(gt=0)
+
+
+def replica_routes_cache(settings: RoutesSettings) -> RoutesCache:
+    """A RoutesCache on the replica's S3: boto3 reads AWS_ENDPOINT_URL / AWS_REGION / credentials from the
+    replica's environment, as Ray's own LoRA downloader does; short timeouts keep a dead S3 from stalling
+    the refresh."""
+    import boto3
+    from botocore.config import Config as BotoConfig
+
+    s3_client = boto3.client("s3", config=BotoConfig(connect_timeout=2, read_timeout=5, signature_version="s3v4",
+                                                     retries={"max_attempts": 2}))
+    return RoutesCache(s3_client, parse_s3_uri(settings.lora_path), base_model_id=settings.base_model_id,
+                       served_aliases=settings.served_aliases, default_alias=settings.default_alias,
+                       staleness_s=settings.staleness_s, relist_s=settings.relist_s)

@@ -4,6 +4,7 @@ model, S3 prefix). Under CI=true a skipped test counts as a failure: missing inf
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -273,3 +274,86 @@ def tcp_proxy():
 def mlflow_proxy(stack: StackHandle, tcp_proxy) -> LoopbackProxy:
     """A cuttable connection to the session's MLflow server."""
     return tcp_proxy(stack.config.server.port)
+
+
+# ------------------------------------------------------------------------------------ adapters on the tiny VLM
+# (the served tests' base: training.tiny_vlm)
+
+TEXT_PROMPT = "navigate the maze to the red square"
+LORA_TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
+
+
+def maze_image():
+    from PIL import Image
+
+    from training.maze import generate_maze, render
+
+    return Image.fromarray(render(generate_maze(seed=3, size=9)))
+
+
+def offline_inputs(processor, with_image: bool):
+    """The same conversation built directly with the processor (independent of the engine's code)."""
+    content = ([{"type": "image"}] if with_image else []) + [{"type": "text", "text": TEXT_PROMPT}]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                           add_generation_prompt=True)
+    return processor(text=[prompt], images=[maze_image()] if with_image else None, return_tensors="pt")
+
+
+def train_adapter(base_dir: Path, out: Path, target: str, seed: int) -> Path:
+    """A few Adam steps of LoRA on the tiny base towards `target`, on a text and an image prompt."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(base_dir))
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForImageTextToText.from_pretrained(str(base_dir)),
+                           LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS))
+    batches = []
+    for with_image in (False, True):
+        prompt_inputs = offline_inputs(processor, with_image)
+        answer = processor.tokenizer([target + "<|im_end|>"], return_tensors="pt", add_special_tokens=False)
+        inputs = dict(prompt_inputs)
+        inputs["input_ids"] = torch.cat([prompt_inputs["input_ids"], answer["input_ids"]], dim=1)
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        if "mm_token_type_ids" in inputs:
+            inputs["mm_token_type_ids"] = torch.cat(
+                [prompt_inputs["mm_token_type_ids"], torch.zeros_like(answer["input_ids"])], dim=1)
+        labels = inputs["input_ids"].clone()
+        labels[:, : prompt_inputs["input_ids"].shape[1]] = -100
+        batches.append((inputs, labels))
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    for _ in range(15):
+        for inputs, labels in batches:
+            model(**inputs, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(str(out))
+    (out / "README.md").unlink(missing_ok=True)  # peft's model card: not an adapter file
+    return out
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def register_adapter(config: Config, adapter_dir: Path, step: int) -> int:
+    """Log the adapter as the tracker does (LoggedModel + rlops tags) and register it; return the version."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=config.tracking_uri, registry_uri=config.tracking_uri)
+    experiment = client.get_experiment_by_name(config.tracking.experiment)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.tracking.experiment)
+    run = client.create_run(experiment_id)
+    tags = {"rlops.step": str(step), "rlops.base_model": config.base_model_source, "rlops.lora_rank": "8",
+            **{f"rlops.sha256.{p.name}": sha256_file(p) for p in adapter_dir.iterdir() if p.is_file()}}
+    logged = client.create_logged_model(experiment_id, name=f"lora-step-{step}", source_run_id=run.info.run_id,
+                                        tags=tags, model_type="lora-adapter")
+    client.log_model_artifacts(logged.model_id, str(adapter_dir))
+    client.finalize_logged_model(logged.model_id, "READY")
+    client.set_terminated(run.info.run_id)
+    mlflow.set_tracking_uri(config.tracking_uri)
+    mlflow.set_registry_uri(config.tracking_uri)
+    version = mlflow.register_model(f"models:/{logged.model_id}", config.registry.models[0],
+                                    tags={"rlops.step": str(step), "rlops.run_id": run.info.run_id})
+    return int(version.version)

@@ -246,8 +246,10 @@ def test_serve_config_round_trips_through_ray_validation(printed_config):
     assert len(args.llm_configs) == len(raw_args["llm_configs"]) == 1
     for raw in raw_args["llm_configs"]:
         validated = LLMConfig.model_validate(raw)
+        assert validated.server_cls.__name__ == "PreloadingLLMServer"  # Ray imports the path to the class
         dumped = validated.model_dump(exclude_unset=True)
-        assert _is_subset(raw, dumped), f"LLMConfig validation changed the config:\n{raw}\n{dumped}"
+        rest = {k: v for k, v in raw.items() if k != "server_cls"}
+        assert _is_subset(rest, dumped), f"LLMConfig validation changed the config:\n{raw}\n{dumped}"
         assert LLMConfig.model_validate(dumped).model_dump(exclude_unset=True) == dumped
         assert validated.lora_config.dynamic_lora_loading_path.startswith("s3://")
         assert validated.engine_kwargs["enable_lora"] is True
@@ -463,3 +465,6 @@ def test_local_cluster_keys_map_onto_the_manifests(tmp_path):
                                "max_replicas": config.serving.ingress_replicas}
     [gpu] = service["rayClusterConfig"]["workerGroupSpecs"]
     assert gpu["maxReplicas"] >= config.serving.max_replicas  # one GPU worker per vLLM replica
+    llm = args["llm_configs"][0]
+    assert config.serving.preload_adapters == ("rlops_preload" in llm.get("experimental_configs", {}))
+    assert llm["server_cls"] == "serving.preload:PreloadingLLMServer"

@@ -10,6 +10,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
+from conftest import sha256_file
 from rlops.config import Config
 from rlops.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, RoutesManifest, parse_s3_uri, routes_key
 
@@ -32,10 +33,6 @@ def lora_template(tmp_path_factory) -> tuple[dict, dict]:
     out = tmp_path_factory.mktemp("lora-template")
     peft_model.save_pretrained(out)
     return json.loads((out / ADAPTER_CONFIG).read_text()), load_file(str(out / ADAPTER_WEIGHTS))
-
-
-def sha256_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def write_adapter(lora_template, out: Path, config: Config, *, seed: int = 1, padding_mb: int = 0,

@@ -5,20 +5,26 @@ dir, logs streamed back, `ray job stop` ending the run KILLED, a resubmission on
 it, and no secret of the nodes' environment anywhere in Ray's job API or session dir."""
 from __future__ import annotations
 
+import collections
+import json
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import yaml
 
-from conftest import REPO, ray_records
+from conftest import REPO, ray_records, write_config
 from rlops.stack import RAY_HEAD, ray_temp_dir
 
 pytestmark = pytest.mark.slow
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+STALENESS_S = 1.0
 
 
 def test_status_shows_every_node_of_the_cluster(ray_cluster):
@@ -99,3 +105,96 @@ def test_local_trainer_as_a_ray_job_stops_killed_and_resumes(ray_cluster, mlflow
     hits = [(where, name) for where, text in shown.items() for name, value in ray_cluster.secrets.items()
             if value in text]
     assert hits == [], f"secret values found in Ray's records: {hits}"
+
+
+# ------------------------------------------------------------------------------------ serving on the cluster
+
+
+def _llm_replica_logs(config) -> dict[str, str]:
+    """Each LLM replica's own Serve log (one file per replica, on whichever node it runs)."""
+    return {path.name: path.read_text(errors="replace")
+            for path in ray_temp_dir(config).rglob("replica_rlops_PreloadingLLMServer*.log")}
+
+
+def test_two_ingress_and_two_llm_replicas_flip_production_together(ray_cluster, tmp_path_factory, unique_name):
+    """`rlops serve` on the 2-node cluster with 2 ingress and 2 LLM replicas (the real vLLM engine, one per
+    node): v2 is published as `promote --verify` does it (a preview, then the move) while 4 clients keep
+    asking for production. Both LLM replicas load v2 before anything asks for it; no answer is a 5xx; from
+    the promote's return + the staleness bound on, every answer, on both ingress replicas, is v2."""
+    import httpx
+
+    from conftest import register_adapter, train_adapter
+    from registry_hooks import operations
+    from registry_hooks.sync import Promoter
+    from rlops import processes
+    from rlops.config import load_config
+    from rlops.layout import version_folder
+    from training.tiny_vlm import build_tiny_vlm
+
+    started = time.monotonic()
+    root = tmp_path_factory.mktemp("cluster-serving")
+    base_dir = build_tiny_vlm(root / "base")
+    adapter = train_adapter(base_dir, root / "adapter", "right right right right", seed=1)
+    data = yaml.safe_load(ray_cluster.config_path.read_text())
+    data["tracking"] = {"experiment": f"exp-{unique_name}"}
+    data["registry"] = {"models": [f"model-{unique_name}"], "guarded_aliases": []}
+    data["serving"] = {
+        "model_source": str(base_dir), "dynamic_lora_loading_path": f"s3://{data['storage']['bucket']}/lora-{unique_name}",
+        "port": processes.free_port(), "routes_staleness_s": STALENESS_S,
+        # 4 CPUs in all: an LLM replica takes 1 (its actor) + 0.5 (its engine), so one lands on each node
+        "replica_cpus": 0.5, "min_replicas": 2, "max_replicas": 2, "ingress_replicas": 2,
+    }
+    path = write_config(root / "mlflow.yaml", data)
+    config = load_config(path, environ={})
+    model = config.registry.models[0]
+    v1, v2 = (register_adapter(config, adapter, step) for step in (1, 2))  # one adapter, two folders
+    operations.promote(config, model, to_alias="production", version=v1, trigger="test")
+    url = f"http://{config.serving.host}:{config.serving.port}"
+    env = {**ray_cluster.env, "RLOPS_CONFIG": str(path), "HF_HUB_OFFLINE": "1"}
+    record = processes.start(config.data_path, "serve-cluster", [str(Path(sys.executable).parent / "rlops"), "serve"], env)
+    answers: list[tuple[float, int, str | None, str | None]] = []  # (sent at, status, version, ingress replica)
+    stop = threading.Event()
+
+    def client(http: httpx.Client) -> None:
+        body = {"model": f"{config.serving.base_model_id}:{model}", "max_tokens": 1,
+                "messages": [{"role": "user", "content": "move"}]}
+        while not stop.is_set() and len(answers) < 2000:
+            sent = time.time()
+            r = http.post(f"{url}/v1/chat/completions", json=body)
+            answers.append((sent, r.status_code, r.headers.get("x-rlops-model-version"), r.headers.get("x-rlops-replica")))
+
+    try:
+        log = Path(record.log)
+        waited = processes.wait_healthy(record, lambda: f"ready: {url}/v1" in log.read_text(errors="replace"), timeout_s=900)
+        print(f"\n2 ingress + 2 vLLM replicas ready in {waited:.0f} s")
+        v2_id = f"{config.serving.base_model_id}:{version_folder(model, v2)}"
+
+        def preloaded() -> list[str]:
+            return [name for name, text in _llm_replica_logs(config).items()
+                    if '"adapter_preloaded"' in text and json.dumps(v2_id) in text]
+
+        with httpx.Client(timeout=120) as http, ThreadPoolExecutor(4) as pool:
+            clients = [pool.submit(client, http) for _ in range(4)]
+            time.sleep(5)  # steady load on v1
+            Promoter(config).publish_preview(model, v2, alias="production", trigger="test")  # --verify's first step
+            processes.wait_healthy(None, lambda: len(preloaded()) == 2, timeout_s=120, what="v2 on both LLM replicas")
+            assert not [a for a in answers if a[2] == str(v2)]  # nobody has asked for v2 yet
+            operations.promote(config, model, to_alias="production", version=v2, trigger="test")
+            acked = time.time()
+            time.sleep(STALENESS_S + 5)
+            stop.set()
+            for future in clients:
+                future.result()
+    finally:
+        stop.set()
+        processes.stop(config.data_path, "serve-cluster", timeout_s=90)
+
+    assert len(_llm_replica_logs(config)) == 2  # serving.min/max_replicas: 2 engines
+    statuses = collections.Counter(status for _, status, _, _ in answers)
+    assert statuses and all(status < 500 for status in statuses), statuses
+    after = [a for a in answers if a[0] > acked + STALENESS_S]
+    assert after and {version for _, _, version, _ in after} == {str(v2)}
+    assert len({replica for _, _, _, replica in after}) == 2  # both ingress replicas, each only v2
+    assert {version for _, _, version, _ in answers} == {str(v1), str(v2)}
+    print(f"{len(answers)} answers ({dict(statuses)}), {len(after)} after ack + {STALENESS_S:g} s, "
+          f"whole test {time.monotonic() - started:.0f} s")

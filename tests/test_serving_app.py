@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import TEXT_PROMPT, maze_image, offline_inputs, register_adapter, train_adapter
 from rlops import processes
 from rlops.config import Config, load_config
 
@@ -33,19 +34,9 @@ API_KEY_ENV = "SERVING_TEST_API_KEYS"  # not RLOPS_*: that prefix is reserved fo
 API_KEY = "sk-test-" + uuid.uuid4().hex
 STALENESS_S = 1.0
 TARGETS = {"a": "right right right right", "b": "down down left left"}  # what each adapter is trained to say
-TEXT_PROMPT = "navigate the maze to the red square"
-LORA_TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
 
 
 # ------------------------------------------------------------------------------------ model helpers
-
-
-def maze_image():
-    from PIL import Image
-
-    from training.maze import generate_maze, render
-
-    return Image.fromarray(render(generate_maze(seed=3, size=9)))
 
 
 def data_url(image) -> str:
@@ -61,48 +52,6 @@ def chat_messages(with_image: bool) -> list[dict]:
         content.append({"type": "image_url", "image_url": {"url": data_url(maze_image())}})
     content.append({"type": "text", "text": TEXT_PROMPT})
     return [{"role": "user", "content": content}]
-
-
-def offline_inputs(processor, with_image: bool):
-    """The same conversation built directly with the processor (independent of the engine's code)."""
-    content = ([{"type": "image"}] if with_image else []) + [{"type": "text", "text": TEXT_PROMPT}]
-    prompt = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                           add_generation_prompt=True)
-    return processor(text=[prompt], images=[maze_image()] if with_image else None, return_tensors="pt")
-
-
-def train_adapter(base_dir: Path, out: Path, target: str, seed: int) -> Path:
-    """A few Adam steps of LoRA on the tiny base towards `target`, on a text and an image prompt."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(str(base_dir))
-    torch.manual_seed(seed)
-    model = get_peft_model(AutoModelForImageTextToText.from_pretrained(str(base_dir)),
-                           LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS))
-    batches = []
-    for with_image in (False, True):
-        prompt_inputs = offline_inputs(processor, with_image)
-        answer = processor.tokenizer([target + "<|im_end|>"], return_tensors="pt", add_special_tokens=False)
-        inputs = dict(prompt_inputs)
-        inputs["input_ids"] = torch.cat([prompt_inputs["input_ids"], answer["input_ids"]], dim=1)
-        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-        if "mm_token_type_ids" in inputs:
-            inputs["mm_token_type_ids"] = torch.cat(
-                [prompt_inputs["mm_token_type_ids"], torch.zeros_like(answer["input_ids"])], dim=1)
-        labels = inputs["input_ids"].clone()
-        labels[:, : prompt_inputs["input_ids"].shape[1]] = -100
-        batches.append((inputs, labels))
-    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-2)
-    for _ in range(15):
-        for inputs, labels in batches:
-            model(**inputs, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.save_pretrained(str(out))
-    (out / "README.md").unlink(missing_ok=True)  # peft's model card: not an adapter file
-    return out
 
 
 def offline_answer(base_dir: Path, adapter_dir: Path | None, with_image: bool, max_tokens: int) -> str:
@@ -125,34 +74,6 @@ def same_text(served: str, offline: str) -> bool:
     text starts with the space that separates the first answer word from the prompt; HF decodes the answer
     alone. Token ids are the same (the usage counts and the words match)."""
     return served.split() == offline.split() and served.strip() == offline.strip()
-
-
-def sha256_file(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def register_adapter(config: Config, adapter_dir: Path, step: int) -> int:
-    """Log the adapter as the tracker does (LoggedModel + rlops tags) and register it; return the version."""
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking_uri=config.tracking_uri, registry_uri=config.tracking_uri)
-    experiment = client.get_experiment_by_name(config.tracking.experiment)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.tracking.experiment)
-    run = client.create_run(experiment_id)
-    tags = {"rlops.step": str(step), "rlops.base_model": config.base_model_source, "rlops.lora_rank": "8",
-            **{f"rlops.sha256.{p.name}": sha256_file(p) for p in adapter_dir.iterdir() if p.is_file()}}
-    logged = client.create_logged_model(experiment_id, name=f"lora-step-{step}", source_run_id=run.info.run_id,
-                                        tags=tags, model_type="lora-adapter")
-    client.log_model_artifacts(logged.model_id, str(adapter_dir))
-    client.finalize_logged_model(logged.model_id, "READY")
-    client.set_terminated(run.info.run_id)
-    mlflow.set_tracking_uri(config.tracking_uri)
-    mlflow.set_registry_uri(config.tracking_uri)
-    version = mlflow.register_model(f"models:/{logged.model_id}", config.registry.models[0],
-                                    tags={"rlops.step": str(step), "rlops.run_id": run.info.run_id})
-    return int(version.version)
 
 
 # ------------------------------------------------------------------------------------ the session app
@@ -623,19 +544,20 @@ def test_load_while_alias_flips_has_no_5xx_and_only_published_versions(served: S
 def test_adapter_that_cannot_be_loaded_is_a_503_with_retry_after(served: ServedApp):
     """A published version whose folder vanished from S3 (an eviction outside rlops) is a transient 503 that
     says when to retry, not a 404 for a name the registry serves; the folder name stays hidden."""
-    import boto3
-
-    from rlops.config import s3_client_kwargs
-    from rlops.layout import parse_s3_uri, version_folder
+    from registry_hooks import storage
+    from registry_hooks.sync import Promoter
+    from rlops.layout import HistoryEntry, parse_s3_uri, utc_now
 
     version = register_adapter(served.config, served.adapters[1], step=3)
-    served.move_alias("staging", version)
-    served.move_alias("staging", 2)  # v3 stays addressable as @v3 (history)
-    location = parse_s3_uri(served.config.lora_path)
-    s3 = boto3.client("s3", **s3_client_kwargs(served.config))
-    listed = s3.list_objects_v2(Bucket=location.bucket, Prefix=location.key(version_folder(served.model, version)) + "/")
-    assert listed.get("Contents")
-    s3.delete_objects(Bucket=location.bucket, Delete={"Objects": [{"Key": o["Key"]} for o in listed["Contents"]]})
+    # v3 as if once moved to staging and away again, its folder since gone: a history entry (v3 stays
+    # addressable as @v3) and no folder. Not by moving staging there and back: every LLM replica preloads a
+    # target, and would answer from its copy.
+    promoter, location = Promoter(served.config), parse_s3_uri(served.config.lora_path)
+    with served.lock:
+        manifest, etag = storage.read_manifest(promoter.dest, location, served.model)
+        entry = HistoryEntry(alias="staging", version=version, at=utc_now(), trigger="test")
+        storage.write_manifest(promoter.dest, location, manifest.model_copy(update={
+            "history": [*manifest.history, entry], "generation": manifest.generation + 1}), etag)
     time.sleep(STALENESS_S)
     r = httpx.post(f"{served.url}/v1/chat/completions", headers=served.headers(), timeout=120,
                    json={"model": served.name(f"@v{version}"), "messages": chat_messages(False), "max_tokens": 1})

@@ -17,7 +17,7 @@ from serving.ingress import (
     parse_request,
     version_headers,
 )
-from serving.routes import RoutesCache, RoutesTable, internal_model_id, parse_list_page, plan_refresh
+from serving.routes import RoutesCache, RoutesTable, hot_adapter_ids, internal_model_id, parse_list_page, plan_refresh
 
 BASE = "visgym-qwen3vl"
 
@@ -191,6 +191,42 @@ def test_rewriter_replaces_only_the_quoted_routing_id(table: RoutesTable):
     assert version_headers(table.resolve(BASE)) == {}
 
 
+def test_hot_adapters_are_targets_canaries_and_pending_previews_newest_first_capped():
+    """What every LLM replica preloads: each served alias's target and canary and each pending preview (made by
+    the real planning functions), newest first, capped at the replica's adapter slots; the base, history
+    entries, non-served aliases and a preview its alias has moved past are not hot."""
+    from registry_hooks.plan import Intent, next_manifest, with_preview
+
+    def at(minute: int) -> str:
+        return f"2026-12-01T00:{minute:02d}:00.000Z"
+
+    def route(model: str, version: int) -> AliasRoute:
+        return AliasRoute(version=version, folder=f"{model}-v{version}", files={"a.json": "0" * 64},
+                          promoted_at=at(0), trigger="x")
+
+    def move(old: RoutesManifest, intent: Intent, minute: int) -> RoutesManifest:
+        routes = {v: route(old.model, v) for v in range(1, 9)}
+        return next_manifest(old, intent, routes, {}, trigger="cli", now=at(minute), history_limit=50)
+
+    def preview(old: RoutesManifest, version: int, minute: int) -> RoutesManifest:
+        return with_preview(old, version, alias="production", trigger="cli", now=at(minute), history_limit=50)
+
+    a = move(RoutesManifest(model="a"), Intent({"production": 1, "staging": 2}), 1)
+    a = preview(a, 3, 2)  # a --verify that failed: production moved past it below
+    a = move(a, Intent({"production": 4, "staging": 2, "production-canary": 5}, {"production": 10}), 3)
+    a = move(a, Intent({"production": 4, "staging": 2, "production-canary": 5, "qa": 7}, {"production": 10}), 4)
+    a = preview(a, 6, 5)  # --verify in progress: production moves to v6 next
+    b = move(RoutesManifest(model="b"), Intent({"production": 1}), 6)
+    table = RoutesTable(BASE, ("production", "staging"), "production", {"a": a, "b": b})
+    ids = [f"{BASE}:b-v1", f"{BASE}:a-v6", f"{BASE}:a-v4", f"{BASE}:a-v5", f"{BASE}:a-v2"]
+    assert hot_adapter_ids(table, 8)[:1] == ids[:1] and sorted(hot_adapter_ids(table, 8)) == sorted(ids)
+    assert hot_adapter_ids(table, 2) == ids[:2]  # the verified candidate before older targets
+    promoted = move(a, Intent({"production": 6, "staging": 2}), 7)  # the gate passed: v6 is the target now
+    assert sorted(hot_adapter_ids(RoutesTable(BASE, ("production", "staging"), "production", {"a": promoted}), 8)) == \
+        [f"{BASE}:a-v2", f"{BASE}:a-v6"]  # v4 and the canary's v5 are history now; @v4 loads on demand
+    assert hot_adapter_ids(RoutesTable(BASE, ("production",), "production"), 4) == []
+
+
 # ------------------------------------------------------------------------------------------ app args
 
 
@@ -222,6 +258,25 @@ def test_app_args_and_print_config_carry_no_secrets(stack):
     assert "kv_cache_memory_bytes" not in vllm and "hf_overrides" not in vllm and "accelerator_config" not in gpu_llm
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in printed["podEnv"]}
     assert set(refs) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "RLOPS_TEST_KEYS"}
+
+
+def test_llm_replicas_preload_with_the_ingress_routes_settings_unless_switched_off():
+    """Both deployments follow the manifests with the same settings; `serving.preload_adapters: false` keeps
+    the server class (one adapter load at a time) but leaves loading to the requests."""
+    from rlops.config import Config
+    from serving.app import app_args
+    from serving.ingress import IngressSettings
+    from serving.routes import PRELOAD_KEY, RoutesSettings
+
+    config = Config()
+    llm = app_args(config, "cpu")["llm_configs"][0]
+    assert llm["server_cls"] == "serving.preload:PreloadingLLMServer"
+    preload = RoutesSettings.model_validate(llm["experimental_configs"][PRELOAD_KEY])
+    ingress = IngressSettings.model_validate(app_args(config, "cpu")["ingress_cls_config"]["ingress_extra_kwargs"]["settings"])
+    assert preload == RoutesSettings.model_validate(ingress.model_dump(include=set(RoutesSettings.model_fields)))
+    config.serving.preload_adapters = False
+    off = app_args(config, "cpu")["llm_configs"][0]
+    assert off["server_cls"] == llm["server_cls"] and "experimental_configs" not in off
 
 
 # ------------------------------------------------------------------------------------------ the cache on S3

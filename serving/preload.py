@@ -1,0 +1,85 @@
+"""`PreloadingLLMServer`: Ray Serve LLM's `LLMServer` that holds the hot adapters on every replica before traffic.
+
+Ray's multiplexing loads an adapter on its first request, on the replica that request landed on, and then
+routes the adapter's requests to the replicas that report it: a new alias target is pinned to one replica
+(ray-project/ray#65691) and its first requests pay the download. Here each LLM replica follows the routes
+manifests itself (the ingress's `RoutesCache`) and, whenever they change, loads every hot adapter
+(`serving.routes.hot_adapter_ids`) through the same multiplex loader a request uses. Called outside a request
+it works the same (it needs the replica's context, not a request's) and reports the id to Serve's router as
+soon as the load starts, so the adapter's requests spread over every replica.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import defaultdict
+
+from ray import serve
+from ray.llm._internal.serve.core.server.llm_server import LLMServer
+
+from serving.routes import PRELOAD_KEY, RoutesSettings, hot_adapter_ids, replica_routes_cache
+
+log = logging.getLogger("ray.serve.rlops")
+
+
+class PreloadingLLMServer(LLMServer):
+    """`llm_config.server_cls` of the app (`serving.preload:PreloadingLLMServer`)."""
+
+    def _init_shared(self, *args, **kwargs):
+        super()._init_shared(*args, **kwargs)
+        self._adapter_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._preloaded: set[str] = set()
+        self._preload_task: asyncio.Task | None = None
+
+    async def start(self):
+        await super().start()
+        settings = self._llm_config.experimental_configs.get(PRELOAD_KEY)
+        if settings is not None and self._llm_config.lora_config is not None:
+            self._preload_task = asyncio.create_task(self._follow_routes(RoutesSettings.model_validate(settings)))
+
+    async def _maybe_resolve_lora_from_multiplex(self) -> None:
+        model_id = serve.get_multiplexed_model_id()
+        if model_id and self._llm_config.lora_config is not None:
+            await self._hold_adapter(model_id)
+        else:
+            await super()._maybe_resolve_lora_from_multiplex()
+
+    async def _hold_adapter(self, model_id: str) -> None:
+        """What LLMServer does for a request's adapter (download through the multiplex cache, then register it
+        with vLLM), one at a time per adapter: vLLM's "loaded?" check comes before its await, so two concurrent
+        first uses (a request beside the preloader, or two requests) would fail the second "already loaded"."""
+        async with self._adapter_locks[model_id]:
+            await self.engine.resolve_lora(await self._load_model(model_id))
+
+    async def _follow_routes(self, settings: RoutesSettings) -> None:
+        """Every staleness_s / 2: refresh the routes; on a change (and at start) hold every hot adapter. Never
+        raises: a failed refresh keeps the last table, a failed load is logged and retried at the next change."""
+        routes = replica_routes_cache(settings)
+        slots = self._llm_config.lora_config.max_num_adapters_per_replica
+        first = True
+        while True:
+            try:
+                if await asyncio.to_thread(routes.refresh) or first:
+                    first = False
+                    await self._preload(hot_adapter_ids(routes.table, slots))
+            except Exception as exc:  # noqa: BLE001 - the replica serves on whatever preloading does
+                log.warning("preload: pass failed: %s", type(exc).__name__)
+            await asyncio.sleep(settings.staleness_s / 2)
+
+    async def _preload(self, model_ids: list[str]) -> None:
+        """Hold `model_ids` (newest first), loading the oldest first: whatever is held already costs nothing,
+        and the newest ends up the most recently used, the last the multiplex cache would evict."""
+        for model_id in reversed(model_ids):
+            started = time.monotonic()
+            try:
+                await self._hold_adapter(model_id)
+            except Exception as exc:  # noqa: BLE001 - a request for it will say what is wrong; retried next change
+                log.warning("preload: adapter %s could not be loaded: %s", model_id, type(exc).__name__)
+                continue
+            if model_id not in self._preloaded:
+                self._preloaded.add(model_id)
+                log.info(json.dumps({"event": "adapter_preloaded", "model_id": model_id,
+                                     "seconds": round(time.monotonic() - started, 3)}))
+        self._preloaded &= set(model_ids)
