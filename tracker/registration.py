@@ -110,9 +110,8 @@ class Registration:
             beat_base=self.evidence)
         version = registry.register_checkpoint(self._client, name, self._run_id, scored[0], key,
                                                self._config.tracking.register_aliases,
-                                               eval_set_sha256=eval_sha256, description=description)
-        if self.evidence:
-            self._client.set_model_version_tag(name, version.version, TAG_BEAT_BASE, self.evidence)
+                                               eval_set_sha256=eval_sha256, description=description,
+                                               tags={TAG_BEAT_BASE: self.evidence} if self.evidence else None)
         because = f"; {self.evidence}" if self.evidence else ""
         self._client.set_tag(self._run_id, TAG_REGISTRATION, f"{name} v{version.version} (step {scored[0].step}{because})")
         self.registered = version

@@ -8,6 +8,7 @@ import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModel
@@ -76,10 +77,10 @@ def rank_checkpoints(models: list[LoggedModel], metric_key: str,
 
 def register_checkpoint(client: MlflowClient, name: str, run_id: str, best: ScoredCheckpoint, metric_key: str,
                         aliases: list[str], *, eval_set_sha256: str | None = None,
-                        description: str | None = None) -> ModelVersion:
+                        description: str | None = None, tags: Mapping[str, str] | None = None) -> ModelVersion:
     """Register `models:/<model_id>` as a version of `name` (reusing a version already made from the same
     LoggedModel, so a repeated call is idempotent) and point `aliases` at it. `eval_set_sha256` (the eval
-    set's full layout hash) is what the promotion guardrail compares."""
+    set's full layout hash) is what the promotion guardrail compares; `tags` are set with the version."""
     try:
         client.create_registered_model(name)
     except MlflowException as exc:
@@ -91,11 +92,11 @@ def register_checkpoint(client: MlflowClient, name: str, run_id: str, best: Scor
     if existing:
         version = existing[0]
     else:
-        tags = {TAG_RUN_ID: run_id, TAG_STEP: str(best.step), TAG_METRIC_KEY: metric_key,
-                TAG_METRIC_VALUE: repr(float(best.value))}
+        version_tags = {**(tags or {}), TAG_RUN_ID: run_id, TAG_STEP: str(best.step), TAG_METRIC_KEY: metric_key,
+                        TAG_METRIC_VALUE: repr(float(best.value))}
         if eval_set_sha256:
-            tags[TAG_EVAL_SET] = eval_set_sha256
-        version = client.create_model_version(name=name, source=source, run_id=run_id, tags=tags,
+            version_tags[TAG_EVAL_SET] = eval_set_sha256
+        version = client.create_model_version(name=name, source=source, run_id=run_id, tags=version_tags,
                                               model_id=best.model_id, description=description)
     for alias in aliases:
         client.set_registered_model_alias(name, alias, version.version)
