@@ -63,6 +63,12 @@ def numeric(payload: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+def training_metrics(payload: Mapping[str, Any]) -> dict[str, float]:
+    """The numeric scalars of a payload without its eval/* keys (on_eval_end logs those, linked to the
+    checkpoint)."""
+    return {k: v for k, v in numeric(payload).items() if not k.startswith(EVAL_PREFIX)}
+
+
 def skyrl_params(cfg: Any) -> dict[str, Any]:
     """The SkyRL config flattened exactly as SkyRL's own MLflow backend names params (`a/b/c`)."""
     return _compute_mlflow_params_from_objects(cfg)
@@ -151,7 +157,7 @@ class TrackerCallback(TrainingCallback):
         """Step `step`'s metrics so far, logged before its checkpoint is written: SkyRL saves step N
         (trainer.py:473) before it logs step N (`on_log`, trainer.py:534), and a run resumed from that
         checkpoint starts at N+1, so a kill in between would lose them. `on_log` then skips these points."""
-        early = {k: v for k, v in numeric(metrics).items() if not k.startswith(EVAL_PREFIX)}
+        early = training_metrics(metrics)
         if early:
             self.session.log_metrics(early, step=step)
         self._before_checkpoint = (step, early)
@@ -172,9 +178,7 @@ class TrackerCallback(TrainingCallback):
                 return
             except Exception:  # noqa: BLE001 - a string, list or tensor value: filtered below (the rest re-raise)
                 pass
-        logs = logs or {}
-        # eval/* keys are in this payload too; on_eval_end already logged them, linked to the checkpoint
-        metrics = {k: v for k, v in numeric(logs).items() if not k.startswith(EVAL_PREFIX)}
+        metrics = training_metrics(logs or {})
         if step == logged_step:  # a value that changed since is logged again, the rest once
             metrics = {k: v for k, v in metrics.items() if logged.get(k) != v}
         if metrics:
