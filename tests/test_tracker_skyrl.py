@@ -96,10 +96,11 @@ def mocked_trainer(monkeypatch, cfg, session: RunSession, adapter: Path):
 
 
 def mock_workers(monkeypatch, trainer, adapter: Path, *, fail_at_step: int | None = None,
-                 fail_after_checkpoint_at: int | None = None):
+                 fail_after_checkpoint_at: int | None = None, fail_before_on_save_at: int | None = None):
     """Mock the trainer's GPU workers and rollouts; the worker "saves" a real PEFT adapter where SkyRL's
     FSDP worker would (`global_step_N/policy/lora_adapter/`, or the HF export folder). `fail_at_step` fails
-    a step's training, `fail_after_checkpoint_at` the weight sync after that step's checkpoint."""
+    a step's training, `fail_after_checkpoint_at` the weight sync after that step's checkpoint,
+    `fail_before_on_save_at` the old-checkpoint cleanup, after the checkpoint is complete and before on_save."""
     cfg = trainer.cfg
 
     def save_adapter(model, folder, tokenizer=None):
@@ -142,9 +143,12 @@ def mock_workers(monkeypatch, trainer, adapter: Path, *, fail_at_step: int | Non
     monkeypatch.setattr(trainer, "fwd_logprobs_values_reward", lambda batch: batch)
     monkeypatch.setattr(trainer, "compute_advantages_and_returns", lambda batch: batch)
     monkeypatch.setattr(trainer, "train_critic_and_policy", train_step)
-    # cleanup runs on every Ray node; here there is only the driver
-    monkeypatch.setattr(trainer, "_cleanup_old_checkpoints",
-                        lambda: cleanup_old_checkpoints(cfg.trainer.ckpt_path, cfg.trainer.max_ckpts_to_keep))
+    def cleanup():  # runs on every Ray node; here there is only the driver
+        if trainer.global_step == fail_before_on_save_at:
+            raise KeyboardInterrupt  # what `ray job stop` raises in the training task (ray.cancel)
+        cleanup_old_checkpoints(cfg.trainer.ckpt_path, cfg.trainer.max_ckpts_to_keep)
+
+    monkeypatch.setattr(trainer, "_cleanup_old_checkpoints", cleanup)
     monkeypatch.setattr("skyrl.train.trainer.prepare_generator_input",
                         lambda *_a, **_k: ({"prompts": [[{"role": "user", "content": "q"}]]}, ["uid-0"]))
     return trainer
@@ -155,7 +159,7 @@ def tracked_exp(monkeypatch, cfg, rlops_config, adapter: Path, **failures):
     BasePPOExp.__init__ loads an HF tokenizer and datasets; the experiment's own code is what is under test."""
     exp = skyrl_tracker.TrackedPPOExp.__new__(skyrl_tracker.TrackedPPOExp)
     exp.cfg, exp.rlops_config, exp.eval_data_source, exp.session = cfg, rlops_config, None, None
-    exp.task_columns, exp.node_monitors = None, None
+    exp.task_columns, exp.node_monitors, exp.register_best = None, None, True
     exp.run_dir = skyrl_tracker.tracker_run_dir(cfg, rlops_config)
 
     def setup_trainer():  # BasePPOExp._setup_trainer minus model building: get_tracker, then get_trainer
@@ -303,6 +307,43 @@ def test_a_failure_between_a_checkpoint_and_its_log_keeps_the_steps_metrics_once
     for key in ("policy/policy_loss", "reward/avg_raw_reward", "timing/generate", "timing/train_critic_and_policy"):
         assert [s for s, _ in metric_history(mlflow_client, run_id, key)] == [1, 2, 3], key
     assert [s for s, _ in metric_history(mlflow_client, run_id, "timing/step")] == [1, 3]
+
+
+def test_a_checkpoint_completed_just_before_a_stop_is_logged_when_the_run_resumes(monkeypatch, test_config,
+                                                                                 tmp_path, mlflow_client, adapter):
+    """SkyRL fires on_save after its save: stopped in between, the checkpoint is complete on disk (the resumed
+    trainer starts after it) but was never logged. The resumed run logs it at its start, once."""
+    cfg = skyrl_config(tmp_path, hf_save_interval=0, max_ckpts_to_keep=-1)
+    stopped = tracked_exp(monkeypatch, cfg, test_config, adapter, fail_before_on_save_at=2)
+    with pytest.raises(KeyboardInterrupt):
+        stopped.run()
+    run_id = stopped.session.run_id
+    run = mlflow_client.get_run(run_id)
+    assert run.info.status == "KILLED" and run.data.tags["rlops.end_reason"] == "KeyboardInterrupt"
+
+    def logged_steps() -> list[int]:
+        return sorted(int(m.tags[TAG_STEP]) for m in mlflow_client.search_logged_models(
+            experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'"))
+
+    assert (Path(cfg.trainer.ckpt_path) / "latest_ckpt_global_step.txt").read_text() == "2" and logged_steps() == []
+
+    resumed = tracked_exp(monkeypatch, skyrl_config(tmp_path, hf_save_interval=0, max_ckpts_to_keep=-1,
+                                                    resume_mode="latest"), test_config, adapter)
+    resumed.run()
+    assert resumed.session.run_id == run_id
+    assert logged_steps() == [2, 3]  # step 2's, logged at the resume, once; step 3's is the run's last
+    version = mlflow_client.get_model_version_by_alias(test_config.registered_model, "candidate")
+    assert version.tags["rlops.step"] == "2"  # and it can be registered: its eval is linked to it
+
+
+def test_skyrl_eval_keys_are_logged_under_the_data_source_name():
+    """SkyRL writes `eval/maze_2d_easy/avg_score` (its file-name form of `maze_2d/easy`); the tracker logs
+    the contract's `eval/maze_2d/easy/avg_score`, which registration ranks by."""
+    metrics = {"eval/maze_2d_easy/avg_score": 0.5, "eval/maze_2d_easy/pass_at_1": 0.5, "eval/all/avg_score": 0.5,
+               "eval/plain/avg_score": 0.25}
+    assert skyrl_tracker.named_by_data_source(metrics, {"maze_2d/easy", "plain"}) == {
+        "eval/maze_2d/easy/avg_score": 0.5, "eval/maze_2d/easy/pass_at_1": 0.5, "eval/all/avg_score": 0.5,
+        "eval/plain/avg_score": 0.25}
 
 
 def test_a_remote_ckpt_path_keeps_the_tracker_state_in_a_local_folder_keyed_by_it(test_config, tmp_path,

@@ -69,6 +69,18 @@ def training_metrics(payload: Mapping[str, Any]) -> dict[str, float]:
     return {k: v for k, v in numeric(payload).items() if not k.startswith(EVAL_PREFIX)}
 
 
+def named_by_data_source(metrics: Mapping[str, float], sources) -> dict[str, float]:
+    """SkyRL names an eval set's metrics after its data source with `/` made `_` (`sanitize_data_source`,
+    trainer_utils.py:219): `eval/maze_2d_easy/avg_score`. The tracker logs them under the data source itself,
+    `eval/maze_2d/easy/avg_score`: the contract's key, the local trainer's, the one registration ranks by."""
+    renamed = {f"{EVAL_PREFIX}{s.replace('/', '_')}/": f"{EVAL_PREFIX}{s}/" for s in sources if "/" in s}
+    out = {}
+    for key, value in metrics.items():
+        prefix = next((p for p in renamed if key.startswith(p)), None)
+        out[renamed[prefix] + key[len(prefix):] if prefix else key] = value
+    return out
+
+
 def skyrl_params(cfg: Any) -> dict[str, Any]:
     """The SkyRL config flattened exactly as SkyRL's own MLflow backend names params (`a/b/c`)."""
     return _compute_mlflow_params_from_objects(cfg)
@@ -150,7 +162,12 @@ class TrackerCallback(TrainingCallback):
 
     @blocking
     def on_train_start(self, trainer, callback_input, control) -> None:
-        self.session.log_metrics({"trainer/start_step": callback_input.global_step}, step=callback_input.global_step)
+        step = callback_input.global_step
+        self.session.log_metrics({"trainer/start_step": step}, step=step)
+        # SkyRL fires on_save after the save (trainer.py:474-475): a kill in between left a checkpoint the
+        # resumed trainer starts after, never logged. Each is logged once (the session skips known steps).
+        for saved_step, folder in saved_checkpoints(trainer.cfg.trainer.ckpt_path):
+            log_adapter(self.session, str(folder), saved_step)
 
     @blocking
     def log_before_checkpoint(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -188,12 +205,12 @@ class TrackerCallback(TrainingCallback):
 
     @blocking
     def on_eval_end(self, trainer, callback_input, control) -> None:
-        self._eval_step = callback_input.global_step
-        metrics = numeric(callback_input.metrics or {})
-        step = callback_input.global_step
+        self._eval_step = step = callback_input.global_step
+        entries = dumped_evals(trainer.cfg.trainer.export_path, step)
+        sources = {e["data_source"] for e in entries} | {self.eval_data_source or self.session.config.training.eval_data_source}
+        metrics = named_by_data_source(numeric(callback_input.metrics or {}), sources)
         if metrics:
             self.session.log_eval_metrics(metrics, step=step)
-        entries = dumped_evals(trainer.cfg.trainer.export_path, step)
         # the per-maze outcomes too, which registration compares with the base's (the step-0 eval)
         for data_source, rows in dumped_eval_rows(entries).items():
             self.session.log_eval_table(data_source, rows, step)
@@ -275,6 +292,19 @@ def eval_samples(entries: list[dict], task_columns: TaskColumns | None) -> list[
     return rows
 
 
+def saved_checkpoints(ckpt_path: str | None) -> list[tuple[int, Path]]:
+    """The checkpoints SkyRL completed and kept under a local `ckpt_path`: `global_step_<N>` folders up to
+    the step of `latest_ckpt_global_step.txt`, which it writes last (trainer.py:1669), so a folder of a
+    save cut short is never among them."""
+    latest = Path(ckpt_path or "") / "latest_ckpt_global_step.txt"
+    if not ckpt_path or "://" in str(ckpt_path) or not latest.is_file():
+        return []
+    last = int(latest.read_text().strip())
+    found = ((int(f.name.rsplit("_", 1)[1]), f) for f in latest.parent.glob("global_step_*")
+             if f.is_dir() and f.name.rsplit("_", 1)[1].isdigit())
+    return sorted((step, folder) for step, folder in found if step <= last)
+
+
 def log_adapter(session: RunSession, folder: str | None, step: int) -> bool:
     """Log the LoRA adapter of a checkpoint/export folder once per step. False when there is none here
     (full fine-tuning, or a remote `s3://` ckpt_path the hook cannot snapshot locally)."""
@@ -333,7 +363,8 @@ class TrackedPPOExp(BasePPOExp):
     step (steps the resumed trainer replays are logged once)."""
 
     def __init__(self, cfg: Any, rlops_config: Config, *, run_dir: Path | None = None,
-                 eval_data_source: str | None = None, task_columns: TaskColumns | None = None):
+                 eval_data_source: str | None = None, task_columns: TaskColumns | None = None,
+                 register_best: bool = True):
         if not isinstance(rlops_config, Config):
             raise TypeError(f"rlops_config must be rlops.config.Config, got {type(rlops_config).__name__}")
         super().__init__(cfg)
@@ -341,6 +372,7 @@ class TrackedPPOExp(BasePPOExp):
         self.run_dir = Path(run_dir) if run_dir else tracker_run_dir(cfg, rlops_config)
         self.eval_data_source = eval_data_source
         self.task_columns = task_columns
+        self.register_best = register_best
         self.session: RunSession | None = None
         self.node_monitors: ray_nodes.NodeMonitors | None = None
 
@@ -362,7 +394,8 @@ class TrackedPPOExp(BasePPOExp):
         trainer = TrackedRayPPOTrainer(cfg=cfg, tracker=tracker, tokenizer=tokenizer, train_dataset=train_dataset,
                                        eval_dataset=eval_dataset, inference_engine_client=inference_engine_client,
                                        generator=generator, colocate_pg=colocate_pg)
-        attach(trainer, self.session, eval_data_source=self.eval_data_source, task_columns=self.task_columns)
+        attach(trainer, self.session, eval_data_source=self.eval_data_source, task_columns=self.task_columns,
+               register_best=self.register_best)
         return trainer
 
     def run(self) -> None:
@@ -381,9 +414,10 @@ class TrackedPPOExp(BasePPOExp):
 
 
 def attach(trainer: RayPPOTrainer, session: RunSession, *, eval_data_source: str | None = None,
-           task_columns: TaskColumns | None = None) -> TrackerCallback:
+           task_columns: TaskColumns | None = None, register_best: bool = True) -> TrackerCallback:
     """Register the tracker callback (and the HF-export hook, for a TrackedRayPPOTrainer) on `trainer`."""
-    callback = TrackerCallback(session, eval_data_source=eval_data_source, task_columns=task_columns)
+    callback = TrackerCallback(session, register_best=register_best, eval_data_source=eval_data_source,
+                               task_columns=task_columns)
     trainer.add_callback(callback)
     if isinstance(trainer, TrackedRayPPOTrainer):
         trainer.rlops_callback = callback
