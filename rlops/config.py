@@ -325,6 +325,9 @@ class RayClusterConfig(_Section):
 
     nodes: int = Field(0, ge=0, le=8, description="0 = no cluster; N = a head + N-1 worker raylets on this machine")
     cpus_per_node: int = Field(2, ge=1, le=64, description="logical CPUs each raylet offers (`ray start --num-cpus`)")
+    gpus_per_node: int = Field(0, ge=0, le=64, description="logical GPUs each raylet offers (`ray start --num-gpus`): "
+                               "on CPU nodes, slots for the {GPU: 1, CPU: 1} bundles of a SkyRL dry-run job "
+                               "(`train_job.sh --skyrl-dry-run`); nothing runs on a GPU")
     object_store_mib: int = Field(256, ge=80, description="object store of each raylet (Ray's default is 30% of RAM)")
     host: str = Field("127.0.0.1", description="node IP of every raylet; the dashboard listens here too")
     port: int = Field(6379, ge=1, le=65535, description="the head's GCS port (the cluster address)")

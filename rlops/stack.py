@@ -231,7 +231,7 @@ def ray_argv(config: Config, name: str) -> list[str]:
     ray = config.ray
     argv = [
         _ray_binary(), "start", "--block", f"--node-ip-address={ray.host}", f"--num-cpus={ray.cpus_per_node}",
-        "--num-gpus=0", f"--object-store-memory={ray.object_store_mib * 2**20}", f"--temp-dir={ray_temp_dir(config)}",
+        f"--num-gpus={ray.gpus_per_node}", f"--object-store-memory={ray.object_store_mib * 2**20}", f"--temp-dir={ray_temp_dir(config)}",
         "--disable-usage-stats",
     ]
     # Fixed ports: with a dynamic one the raylet waits for the agent's port file and dies after ~40 s when the

@@ -144,16 +144,18 @@ def ray_records(client, temp_dir: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def ray_cluster(stack: StackHandle, tmp_path_factory) -> RayClusterHandle:
-    """A 2-node local Ray cluster (head + 1 worker raylet, 2 CPUs each) started once per session by the
-    stack supervisor, with the secrets in its nodes' environment; its nodes are stopped at the end."""
+    """A 2-node local Ray cluster (head + 1 worker raylet, 2 CPUs and 2 logical GPUs each: slots for a SkyRL
+    dry run's bundles) started once per session by the stack supervisor, with the secrets in its nodes'
+    environment; its nodes are stopped at the end."""
     root = tmp_path_factory.mktemp("ray")
     data = yaml.safe_load(stack.config_path.read_text())
-    data["ray"] = {"nodes": 2, "cpus_per_node": 2, "port": free_port(), "dashboard_port": free_port()}
+    data["ray"] = {"nodes": 2, "cpus_per_node": 2, "gpus_per_node": 2, "port": free_port(), "dashboard_port": free_port()}
     path = write_config(root / "mlflow.yaml", data)
     config = load_config(path, environ={})
     secrets = {"AWS_SECRET_ACCESS_KEY": s3_environment(config)["AWS_SECRET_ACCESS_KEY"],
                "MLFLOW_TRACKING_PASSWORD": f"mlflow-pw-{uuid.uuid4().hex}",
-               "RLOPS_HOOKS__SECRET": f"hooks-secret-{uuid.uuid4().hex}"}
+               "RLOPS_HOOKS__SECRET": f"hooks-secret-{uuid.uuid4().hex}",
+               "WANDB_API_KEY": f"wandb-key-{uuid.uuid4().hex}"}  # SkyRL copies this one into its ray.init
     started = time.monotonic()
     try:
         with pytest.MonkeyPatch.context() as env:

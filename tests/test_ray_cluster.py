@@ -1,8 +1,9 @@
 """The cluster path on one machine: `rlops up` with `ray.nodes: 2` (a head and a worker raylet, supervised
-like the rest of the stack), `rlops status` showing it, and the local trainer submitted to it by
-training/train_job.sh exactly as the production job is: tracked from inside the Ray job on the shared data
-dir, logs streamed back, `ray job stop` ending the run KILLED, a resubmission on the same run dir resuming
-it, and no secret of the nodes' environment anywhere in Ray's job API or session dir."""
+like the rest of the stack), `rlops status` showing it, and the local trainer and SkyRL's dry run of the
+production recipe submitted to it by training/train_job.sh exactly as the production job is: tracked from
+inside the Ray job on the shared data dir, logs streamed back, `ray job stop` ending the run KILLED, a
+resubmission on the same run dir resuming it, and no secret of the nodes' environment anywhere in Ray's
+job API or session dir."""
 from __future__ import annotations
 
 import collections
@@ -47,8 +48,21 @@ def _tiny_local_env(name: str) -> dict[str, str]:
 
 
 def _submit(env: dict[str, str], *args: str) -> subprocess.Popen:
-    return subprocess.Popen(["bash", str(REPO / "training" / "train_job.sh"), "--local", "--fast", *args], cwd=REPO,
+    return subprocess.Popen(["bash", str(REPO / "training" / "train_job.sh"), *args], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _stopped(client, submission_id: str) -> str:
+    return _wait_for("the stop", lambda: str(client.get_job_status(submission_id)) in TERMINAL and
+                     str(client.get_job_status(submission_id)))
+
+
+def _no_secret_in_ray(ray_cluster, client, submit_output: str) -> None:
+    """The nodes' secrets reached the jobs (they talked to S3 and MLflow) but nothing Ray shows or keeps."""
+    shown = {"submit output": submit_output, **ray_records(client, ray_temp_dir(ray_cluster.config))}
+    hits = [(where, name) for where, text in shown.items() for name, value in ray_cluster.secrets.items()
+            if value in text]
+    assert hits == [], f"secret values found in Ray's records: {hits}"
 
 
 def _wait_for(what: str, check, timeout_s: float = 600):
@@ -66,14 +80,13 @@ def test_local_trainer_as_a_ray_job_stops_killed_and_resumes(ray_cluster, mlflow
     first_id, second_id = f"grpo-{uuid.uuid4().hex[:8]}", f"grpo-{uuid.uuid4().hex[:8]}"
 
     # 1. submitted like production; stopped with `ray job stop` once it has a checkpoint
-    first = _submit({**env, "SUBMISSION_ID": first_id, "RUN_DIR": str(run_dir)}, "--steps", "200")
+    first = _submit({**env, "SUBMISSION_ID": first_id, "RUN_DIR": str(run_dir)}, "--local", "--fast", "--steps", "200")
     started = time.monotonic()
     _wait_for("the first checkpoint", lambda: list(run_dir.glob("checkpoint-*")))
     print(f"job running with a checkpoint after {time.monotonic() - started:.0f} s")
     assert client.stop_job(first_id)
     streamed, _ = first.communicate(timeout=300)
-    assert _wait_for("the stop", lambda: str(client.get_job_status(first_id)) in TERMINAL and
-                     str(client.get_job_status(first_id))) == "STOPPED"
+    assert _stopped(client, first_id) == "STOPPED"
     info = client.get_job_info(first_id)
     assert info.entrypoint == f"python -m rlops train --local --run-dir {run_dir} --fast --steps 200"
     experiment = mlflow_client.get_experiment_by_name(f"exp-{unique_name}")
@@ -98,13 +111,69 @@ def test_local_trainer_as_a_ray_job_stops_killed_and_resumes(ray_cluster, mlflow
     assert len({m.step for m in rewards}) == len(rewards)  # replayed steps are logged once
 
     # 3. the nodes' secrets reached the job (it talked to S3 and MLflow) but nothing Ray shows or keeps
-    shown = {"submit output": streamed + second.stdout + second.stderr,
-             **ray_records(client, ray_temp_dir(ray_cluster.config))}
+    shown = ray_records(client, ray_temp_dir(ray_cluster.config))
     assert any(name.endswith("job-driver-" + first_id + ".log") for name in shown)
     assert "RLOPS_CONFIG" in shown[f"job info {first_id}"]  # the runtime env is there, without secrets
-    hits = [(where, name) for where, text in shown.items() for name, value in ray_cluster.secrets.items()
-            if value in text]
-    assert hits == [], f"secret values found in Ray's records: {hits}"
+    _no_secret_in_ray(ray_cluster, client, streamed + second.stdout + second.stderr)
+
+
+def test_skyrl_dry_run_as_a_ray_job_stops_killed_and_resumes(ray_cluster, mlflow_client, unique_name):
+    """The production recipe's CPU dry run (`train_job.sh --skyrl-dry-run`): SkyRL's {GPU: 1, CPU: 1} bundles
+    on the nodes' logical GPUs (`ray.gpus_per_node`), `ray job stop` once a checkpoint is on disk ends the
+    run KILLED (the driver cancels the training task), and the resubmission on the same run dir continues the
+    same MLflow run after that checkpoint: every step's metrics once, the eval, every checkpoint and the HF
+    export as LoggedModels, no registered version."""
+    from tracker.checkpoints import TAG_SHA256
+    from tracker.naming import eval_key
+    from training.datasets import skyrl_eval_set
+
+    client = ray_cluster.job_client()
+    model = f"model-{unique_name}"
+    env = {**ray_cluster.env, "RLOPS_TRACKING__EXPERIMENT": f"exp-{unique_name}", "RLOPS_REGISTRY__MODELS": f"[{model}]",
+           "RLOPS_TRACKING__SYSTEM_METRICS": "false"}
+    run_dir = ray_cluster.config.data_path / "runs" / f"skyrl-{unique_name}"
+    first_id, second_id = f"dry-{uuid.uuid4().hex[:8]}", f"dry-{uuid.uuid4().hex[:8]}"
+    steps = 3
+
+    first = _submit({**env, "SUBMISSION_ID": first_id, "RUN_DIR": str(run_dir)}, "--skyrl-dry-run", "--steps", str(steps))
+    latest = run_dir / "ckpt" / "latest_ckpt_global_step.txt"
+    started = time.monotonic()
+    _wait_for("the first checkpoint", latest.exists)
+    print(f"dry-run job with a checkpoint after {time.monotonic() - started:.0f} s")
+    assert client.stop_job(first_id)
+    streamed, _ = first.communicate(timeout=300)
+    assert _stopped(client, first_id) == "STOPPED"
+    assert client.get_job_info(first_id).entrypoint == (
+        f"python -m rlops train --skyrl-dry-run --run-dir {run_dir} --steps {steps}")
+    [run] = mlflow_client.search_runs([mlflow_client.get_experiment_by_name(f"exp-{unique_name}").experiment_id])
+    assert run.info.status == "KILLED" and run.data.tags["rlops.end_reason"] == "KeyboardInterrupt", streamed[-3000:]
+    assert int(latest.read_text()) < steps
+
+    second = subprocess.run(["bash", str(REPO / "training" / "train_job.sh"), "--skyrl-dry-run", "--steps", str(steps)],
+                            cwd=REPO, env={**env, "SUBMISSION_ID": second_id, "RUN_DIR": str(run_dir)},
+                            capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert str(client.get_job_status(second_id)) == "SUCCEEDED"
+    assert f"/runs/{run.info.run_id}" in second.stdout and "registered version: none (a dry run" in second.stdout
+    resumed = mlflow_client.get_run(run.info.run_id)
+    assert resumed.info.status == "FINISHED" and resumed.data.tags["rlops.resumes"] == "1"
+    for key in ("policy/policy_loss", "reward/avg_raw_reward"):  # every step once, across the stop
+        assert sorted(m.step for m in mlflow_client.get_metric_history(run.info.run_id, key)) == [1, 2, 3], key
+    # a step's own total time is measured after its checkpoint: the stopped step's may be missing, never twice
+    total = sorted(m.step for m in mlflow_client.get_metric_history(run.info.run_id, "timing/step"))
+    assert total[-1] == steps and len(set(total)) == len(total)
+    score = eval_key(skyrl_eval_set().data_source)
+    assert [m.step for m in mlflow_client.get_metric_history(run.info.run_id, score)] == [steps]
+    models = {int(m.tags["rlops.step"]): m for m in mlflow_client.search_logged_models(
+        experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = '{run.info.run_id}'")}
+    assert sorted(models) == [1, 2, 3]  # the checkpoint the stop cut off from its on_save is logged too
+    for step, logged in models.items():
+        assert {k for k in logged.tags if k.startswith(TAG_SHA256)} == {
+            f"{TAG_SHA256}adapter_config.json", f"{TAG_SHA256}adapter_model.safetensors"}, step
+    assert score in {m.key for m in models[steps].metrics}
+    assert (run_dir / "export" / f"global_step_{steps}" / "policy" / "adapter_config.json").is_file()
+    assert mlflow_client.search_model_versions(f"name = '{model}'") == []
+    _no_secret_in_ray(ray_cluster, client, streamed + second.stdout + second.stderr)
 
 
 # ------------------------------------------------------------------------------------ serving on the cluster

@@ -26,6 +26,7 @@ import pytest
 
 from conftest import write_config
 from tracker.checkpoints import TAG_SHA256
+from tracker.naming import eval_key
 from tracker.skyrl import BLOCKING_METRIC
 from training import skyrl_cpu
 from training.datasets import skyrl_eval_set
@@ -48,6 +49,18 @@ def test_every_mapping_names_a_line_of_the_installed_skyrl(tmp_path):
     worker.write_text(worker.read_text().replace('backend="cpu:gloo,cuda:nccl"', 'backend="cuda:nccl"'))
     with pytest.raises(skyrl_cpu.SkyRLChanged, match=r"worker\.py:122: expected 'backend=\"cpu:gloo,cuda:nccl\"'"):
         skyrl_cpu.check_seams(changed)
+
+
+def test_the_dry_run_needs_a_gpu_slot_for_the_policy_and_one_per_engine(test_config, tmp_path):
+    """What a cluster's nodes must offer (`ray.gpus_per_node`) before the dry run joins it: checked against
+    `ray.cluster_resources()` so a cluster without them gets a clear error, not placement groups that wait."""
+    from training.skyrl_dry_run import dry_run_overrides
+    from training.skyrl_main import build_skyrl_config
+
+    overrides = dry_run_overrides(test_config, tmp_path, tmp_path / "model", tmp_path / "datasets", 3)
+    assert skyrl_cpu.gpu_slots_needed(build_skyrl_config(overrides)) == 2
+    assert skyrl_cpu.gpu_slots_needed(build_skyrl_config([*overrides, "trainer.algorithm.use_kl_loss=true",
+                                                          "generator.inference_engine.num_engines=2"])) == 4
 
 
 def metric_steps(client, run_id: str, key: str) -> list[int]:
@@ -91,9 +104,8 @@ def test_dry_run_killed_after_a_checkpoint_resumes_the_same_run(stack, test_conf
     # every step once, across the kill (the resumed trainer starts after its checkpoint)
     for key in ("policy/policy_loss", "reward/avg_raw_reward", "timing/step", BLOCKING_METRIC):
         assert metric_steps(mlflow_client, result.run_id, key) == list(range(1, STEPS + 1)), key
-    from skyrl.train.utils.trainer_utils import sanitize_data_source  # after tracker.compat's py3.11 fix
-
-    eval_score = f"eval/{sanitize_data_source(skyrl_eval_set().data_source)}/avg_score"
+    eval_score = eval_key(skyrl_eval_set().data_source)  # SkyRL's eval/maze_2d_easy/*, under the set's own name
+    assert eval_score == result.registration_key
     assert metric_steps(mlflow_client, result.run_id, eval_score) == [STEPS]
     assert run.data.params["generator/max_turns"] == "3" and run.data.params["trainer/strategy"] == "fsdp"
 
@@ -108,3 +120,4 @@ def test_dry_run_killed_after_a_checkpoint_resumes_the_same_run(stack, test_conf
     export = folder / "export" / f"global_step_{STEPS}" / "policy"
     assert json.loads((export / "adapter_config.json").read_text())["r"] == 8
     assert any("colocate_all=true" in line for line in result.checked_on_gpu_only)
+    assert mlflow_client.search_model_versions(f"name = '{test_config.registered_model}'") == []  # a dry run

@@ -16,6 +16,7 @@ import pytest
 
 from rlops.config import Config
 from training import datasets as ds
+from training import skyrl_main
 from training.skyrl_main import build_skyrl_config, recipe_overrides, runtime_env
 from training.tiny_vlm import build_tiny_vlm
 
@@ -186,6 +187,32 @@ json.dump({{"argv": args, "runtime_env": json.load(open(env_file)),
     assert env_vars["RLOPS_TRAINING__DATASETS_PATH"] == "/data/rlops/datasets"
     assert call["mode"] == "0o600"
     assert not Path(argv[7]).exists()  # the runtime-env file is removed after submitting
+
+
+def test_skyrl_s_ray_init_gets_no_credential_of_the_driver(monkeypatch, tmp_path):
+    """SkyRL copies WANDB_API_KEY, MLFLOW_TRACKING_TOKEN, ... from the driver's env into the runtime env of
+    its `ray.init` (utils.py:742-758), which Ray shows in its records; the workers get them from the nodes.
+    The production driver's ray.init is observed at the call (it needs the GPU cluster to run)."""
+    cfg = build_skyrl_config([*recipe_overrides(Config()), f"trainer.log_path={tmp_path}"])
+    for name, value in {"WANDB_API_KEY": "wandb-secret-value", "MLFLOW_TRACKING_TOKEN": "mlflow-token-value",
+                        "MLFLOW_TRACKING_URI": "http://mlflow.internal:5000", "RAY_BACKEND_LOG_LEVEL": "",
+                        "SKYRL_LOG_FILE": ""}.items():
+        monkeypatch.setenv(name, value)
+    from skyrl.train.utils import utils
+
+    assert {"WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN"} <= set(utils.prepare_runtime_environment(cfg))
+    assert skyrl_main.skyrl_env_vars(cfg)["MLFLOW_TRACKING_URI"] == "http://mlflow.internal:5000"
+    calls = []
+    monkeypatch.setattr("ray.init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr("skyrl.backends.skyrl_train.utils.ppo_utils.sync_registries", lambda: None)
+    skyrl_main.initialize_ray(cfg)
+    [call] = calls
+    env_vars = call["runtime_env"]["env_vars"]
+    assert env_vars["MLFLOW_TRACKING_URI"] == "http://mlflow.internal:5000" and "SKYRL_LOG_FILE" in env_vars
+    for given in (env_vars, skyrl_main.skyrl_env_vars(cfg)):
+        assert not {"WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN"} & set(given)
+        assert not any("secret-value" in v or "token-value" in v for v in given.values())
+    assert "WANDB_API_KEY" in utils.prepare_runtime_environment(cfg)  # SkyRL's own function is left as it was
 
 
 def test_train_job_requires_ray_address():

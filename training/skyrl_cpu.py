@@ -307,25 +307,41 @@ def setup_worker() -> None:
         sys.meta_path.insert(0, _AfterImport(later))
 
 
+class CPUModeError(ValueError):
+    """The recipe or the Ray cluster asks for something CPU mode cannot place."""
+
+
 def gpu_slots_per_node(cfg: Any) -> int:
     placement, engine = cfg.trainer.placement, cfg.generator.inference_engine
     return max(placement.policy_num_gpus_per_node, placement.critic_num_gpus_per_node,
                placement.ref_num_gpus_per_node, engine.tensor_parallel_size)
 
 
+def gpu_slots_needed(cfg: Any) -> int:
+    """Logical GPUs SkyRL's bundles take when nothing is colocated: the policy's, the reference model's (with
+    a KL term) and each inference engine's."""
+    placement, engine, algorithm = cfg.trainer.placement, cfg.generator.inference_engine, cfg.trainer.algorithm
+    slots = placement.policy_num_nodes * placement.policy_num_gpus_per_node
+    if algorithm.use_kl_loss or algorithm.use_kl_in_reward:
+        slots += placement.ref_num_nodes * placement.ref_num_gpus_per_node
+    per_engine = engine.tensor_parallel_size * engine.pipeline_parallel_size * engine.data_parallel_size
+    return slots + engine.num_engines * per_engine
+
+
 def start_ray(cfg: Any, *, local: bool) -> None:
     """`skyrl.train.utils.utils.initialize_ray` for CPU mode: SkyRL's runtime env plus the setup hook. `local`
-    starts a Ray here with logical GPUs; otherwise it joins the cluster of RAY_ADDRESS, whose nodes declare
-    their own (`ray start --num-gpus=N`)."""
+    starts a Ray here with logical GPUs; otherwise it joins the cluster it runs in (a Ray job's), whose nodes
+    declare their own (`ray.gpus_per_node`, `ray start --num-gpus=N`)."""
     import ray
     from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
-    from skyrl.train.utils.utils import prepare_runtime_environment
+
+    from training.skyrl_main import skyrl_env_vars
 
     if gpu_slots_per_node(cfg) > 1:
         # utils.py:731: with > 1 GPU per node SkyRL probes GPU peer access on a GPU bundle that never comes
-        raise ValueError("SkyRL CPU mode runs one GPU slot per node: set trainer.placement.*_num_gpus_per_node=1 "
-                         "and generator.inference_engine.tensor_parallel_size=1")
-    env_vars = {**prepare_runtime_environment(cfg), **WORKER_ENV}
+        raise CPUModeError("SkyRL CPU mode runs one GPU slot per node: set trainer.placement.*_num_gpus_per_node=1 "
+                           "and generator.inference_engine.tensor_parallel_size=1")
+    env_vars = {**skyrl_env_vars(cfg), **WORKER_ENV}
     runtime_env = {"env_vars": env_vars, "worker_process_setup_hook": SETUP_HOOK}
     if local:
         for attempt in (1, 2, 3):
@@ -344,4 +360,11 @@ def start_ray(cfg: Any, *, local: bool) -> None:
                 ray.shutdown()
     else:
         ray.init(runtime_env=runtime_env, log_to_driver=True)
+        offered, needed = int(ray.cluster_resources().get("GPU", 0)), gpu_slots_needed(cfg)
+        if offered < needed:  # SkyRL's placement groups would wait for them until its timeout
+            ray.shutdown()
+            raise CPUModeError(
+                f"SkyRL CPU mode: the Ray cluster offers {offered} GPU slots and the recipe's bundles take {needed}; "
+                "on CPU nodes set ray.gpus_per_node in mlflow.yaml (logical GPUs, `ray start --num-gpus`) and "
+                "restart the cluster (`rlops down`, `rlops up`)")
     sync_registries()

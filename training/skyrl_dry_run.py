@@ -5,14 +5,15 @@ three groups said out loud: SHRINK (sizes: a few steps, tiny batches, the local 
 horizon), CPU (what this machine needs; each names what the GPU job does instead, "checked on GPU only"),
 and the user's own. SkyRL's stock trainer runs them with our tracker in a local Ray whose workers get
 `training.skyrl_cpu`'s device mappings: the run in MLflow carries the same metrics, eval, checkpoints and
-HF exports the GPU job logs.
+HF exports the GPU job logs. Submitted as a Ray job (`train_job.sh --skyrl-dry-run`) it runs on that
+job's cluster instead, whose CPU nodes offer logical GPUs (`ray.gpus_per_node`).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from rlops.config import Config
 
@@ -77,6 +78,7 @@ class DryRunResult:
     seconds: float
     folder: Path
     overrides: list[str]
+    registration_key: str  # what the GPU job ranks checkpoints by to register one; a dry run registers none
     checked_on_gpu_only: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -110,13 +112,23 @@ def dry_run_overrides(config: Config, folder: Path, model: Path, datasets: Path,
             f"trainer.policy.model.lora.lora_sync_path={folder / 'lora-sync'}", *extra]
 
 
+def runs_as_ray_job(environ: Mapping[str, str]) -> bool:
+    """Whether this process is a Ray job's driver: Ray's job supervisor hands it the job's config in this
+    variable (ray._private.runtime_env.constants.RAY_JOB_CONFIG_JSON_ENV_VAR)."""
+    return "RAY_JOB_CONFIG_JSON_ENV_VAR" in environ
+
+
 def run_dry_run(config: Config, folder: Path, *, steps: int = DEFAULT_STEPS, extra: Sequence[str] = (),
-                log: Callable[[str], None] = print) -> DryRunResult:
-    """Build the data and model, run the recipe through SkyRL's stock trainer in a local CPU-mode Ray."""
+                join_cluster: bool = False, log: Callable[[str], None] = print) -> DryRunResult:
+    """Build the data and model, run the recipe through SkyRL's stock trainer in a CPU-mode Ray: a local one
+    started here, or with `join_cluster` the cluster of the Ray job this runs in. The run is tracked like the
+    GPU job's, but registers no version: a dry run never moves an alias."""
     import ray
 
+    from tracker.naming import eval_key
+
     from training import skyrl_cpu
-    from training.skyrl_main import build_skyrl_config, run_experiment
+    from training.skyrl_main import build_skyrl_config, merge_runtime_env_with_the_job, run_in_ray_task
 
     start = time.monotonic()
     folder = Path(folder).resolve()
@@ -125,12 +137,15 @@ def run_dry_run(config: Config, folder: Path, *, steps: int = DEFAULT_STEPS, ext
     cfg = build_skyrl_config(overrides)
     gpu_only = [f"{gpu} (here: {override})" for override, gpu in CPU_CHANGES] + [NO_CPU_ROUTE]
     log("checked on GPU only (this CPU run changes them):\n  " + "\n  ".join(gpu_only))
-    skyrl_cpu.start_ray(cfg, local=True)
+    if join_cluster:
+        merge_runtime_env_with_the_job()
+    skyrl_cpu.start_ray(cfg, local=not join_cluster)
     try:
-        run = ray.get(ray.remote(num_cpus=1)(run_experiment).remote(cfg, config))
+        run = run_in_ray_task(cfg, config, register_best=False)
     finally:
         ray.shutdown()
     url = f"{config.tracking_uri.rstrip('/')}/#/experiments/{run['experiment_id']}/runs/{run['run_id']}"
     return DryRunResult(run_id=run["run_id"], experiment_id=run["experiment_id"], run_url=url, steps=steps,
                         seconds=time.monotonic() - start, folder=folder, overrides=overrides,
+                        registration_key=eval_key(config.training.eval_data_source, config.tracking.best_metric),
                         checked_on_gpu_only=gpu_only)

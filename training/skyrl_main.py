@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from typing import Any, Mapping, Sequence
 
@@ -27,6 +28,13 @@ FORWARDED_ENV = (
     "MLFLOW_TRACKING_URI", "MLFLOW_S3_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL",
     "RLOPS_CONFIG",
 )
+
+
+def merge_runtime_env_with_the_job() -> None:
+    """Inside a Ray job, let SkyRL's `ray.init(runtime_env=...)` merge with the job's runtime env: it repeats
+    the job's MLFLOW_TRACKING_URI (read from this driver's env, so the same value), and Ray refuses a driver
+    env var the job also sets unless told the driver's wins."""
+    os.environ["RAY_OVERRIDE_JOB_RUNTIME_ENV"] = "1"
 
 
 def recipe_overrides(config: Config) -> list[str]:
@@ -86,6 +94,31 @@ def is_secret_env(name: str, value: str) -> bool:
     return is_secret_key(name) or mask_value(name.lower(), value) != value
 
 
+def without_secrets(env_vars: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env_vars.items() if not is_secret_env(k, v)}
+
+
+def skyrl_env_vars(cfg) -> dict[str, str]:
+    """SkyRL's runtime env for its workers (`prepare_runtime_environment`) without the credentials it copies
+    from the driver's env (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN, ..., utils.py:742-758): Ray shows a runtime
+    env in its records, and the workers get those from the Ray nodes' own env."""
+    from skyrl.train.utils.utils import prepare_runtime_environment
+
+    return without_secrets(prepare_runtime_environment(cfg))
+
+
+def initialize_ray(cfg) -> None:
+    """SkyRL's `initialize_ray` (its log file, its registries) with `skyrl_env_vars` as the runtime env."""
+    from skyrl.train.utils import utils
+
+    prepare = utils.prepare_runtime_environment
+    utils.prepare_runtime_environment = lambda c: without_secrets(prepare(c))
+    try:
+        utils.initialize_ray(cfg)
+    finally:
+        utils.prepare_runtime_environment = prepare
+
+
 def runtime_env(config: Config, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The Ray runtime env of the job: the non-secret MLflow, S3 and rlops variables of this shell.
     Returns it with the names of the variables withheld as secrets under `withheld` (not part of Ray's env)."""
@@ -93,7 +126,7 @@ def runtime_env(config: Config, environ: Mapping[str, str] | None = None) -> dic
     wanted = {"MLFLOW_TRACKING_URI": config.tracking_uri}
     wanted.update({k: environ[k] for k in FORWARDED_ENV if environ.get(k)})
     wanted.update({k: v for k, v in environ.items() if k.startswith("RLOPS_") and v})
-    env_vars = {k: v for k, v in wanted.items() if not is_secret_env(k, v)}
+    env_vars = without_secrets(wanted)
     return {"env_vars": env_vars, "withheld": sorted(set(wanted) - set(env_vars))}
 
 
@@ -107,16 +140,32 @@ def build_skyrl_config(overrides: Sequence[str]):
     return cfg
 
 
-def run_experiment(cfg, config: Config) -> dict[str, str]:
-    """Inside the Ray task: register the env, then run the tracked experiment; returns its MLflow run."""
+def run_experiment(cfg, config: Config, register_best: bool = True) -> dict[str, str]:
+    """Inside the Ray task: register the env, then run the tracked experiment; returns its MLflow run.
+    `register_best` False leaves the registry alone (a dry run)."""
     from tracker.skyrl import TrackedPPOExp
     from training.skyrl_env import eval_sample_columns, register_visgym_env
 
     register_visgym_env()
     exp = TrackedPPOExp(cfg, config, eval_data_source=config.training.eval_data_source,
-                        task_columns=eval_sample_columns)
+                        task_columns=eval_sample_columns, register_best=register_best)
     exp.run()
     return {"run_id": exp.session.run_id, "experiment_id": exp.session.experiment_id}
+
+
+def run_in_ray_task(cfg, config: Config, register_best: bool = True) -> dict[str, str]:
+    """`run_experiment` in a Ray task (never on the head node), as SkyRL's own entrypoint runs it; returns
+    its MLflow run. SIGTERM to this driver (`ray job stop`) cancels the task: Ray raises KeyboardInterrupt
+    in it, its run ends KILLED, and this returns once it has (Ray would otherwise kill the task's worker
+    with the driver and leave the run RUNNING)."""
+    import ray
+
+    task = ray.remote(num_cpus=1)(run_experiment).remote(cfg, config, register_best)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: ray.cancel(task, recursive=False))
+    try:
+        return ray.get(task)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -141,12 +190,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"skyrl_main: expected SkyRL overrides key=value, got {bad}")
     cfg = build_skyrl_config(args)
 
-    import ray
-    from skyrl.train.utils.utils import initialize_ray
-
+    merge_runtime_env_with_the_job()
     initialize_ray(cfg)
-    # The training loop runs in a Ray task (never on the head node), as SkyRL's own entrypoint does.
-    ray.get(ray.remote(num_cpus=1)(run_experiment).remote(cfg, config))
+    run_in_ray_task(cfg, config)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -92,10 +93,15 @@ def train(obj: CliContext, local: bool, dry_run: bool, steps: int | None, budget
 
 
 def skyrl_dry_run(obj: CliContext, steps: int | None, run_dir: str | None, as_json: bool) -> None:
-    from training.skyrl_dry_run import DEFAULT_STEPS, run_dry_run
+    from training.skyrl_cpu import CPUModeError
+    from training.skyrl_dry_run import DEFAULT_STEPS, run_dry_run, runs_as_ray_job
 
     folder = Path(run_dir) if run_dir else obj.config.data_path / "skyrl-dry-run" / time.strftime("%Y%m%d-%H%M%S")
-    result = run_dry_run(obj.config, folder, steps=steps or DEFAULT_STEPS, log=click.echo)
+    try:
+        result = run_dry_run(obj.config, folder, steps=steps or DEFAULT_STEPS, join_cluster=runs_as_ray_job(os.environ),
+                             log=click.echo)
+    except CPUModeError as exc:
+        raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
         return
@@ -103,4 +109,6 @@ def skyrl_dry_run(obj: CliContext, steps: int | None, run_dir: str | None, as_js
     click.echo(f"MLflow run:  {result.run_url}")
     click.echo("  metrics: reward/*, policy/*, generate/*, environment/*, timing/*; eval/<data_source>/*; "
                "LoggedModels with sha256 tags per checkpoint and HF export")
+    click.echo(f"registered version: none (a dry run leaves the registry alone); the GPU job registers the "
+               f"checkpoint with the best {result.registration_key} into {obj.config.registered_model}")
     click.echo("checked on GPU only: " + "; ".join(result.checked_on_gpu_only))
