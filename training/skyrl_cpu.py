@@ -335,7 +335,7 @@ def start_ray(cfg: Any, *, local: bool) -> None:
     import ray
     from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
 
-    from training.skyrl_main import skyrl_env_vars
+    from training.skyrl_main import merge_runtime_env_with_the_job, skyrl_env_vars
 
     if gpu_slots_per_node(cfg) > 1:
         # utils.py:731: with > 1 GPU per node SkyRL probes GPU peer access on a GPU bundle that never comes
@@ -359,6 +359,7 @@ def start_ray(cfg: Any, *, local: bool) -> None:
                 log.warning("local Ray did not start (%s); trying again", exc)
                 ray.shutdown()
     else:
+        merge_runtime_env_with_the_job()
         ray.init(runtime_env=runtime_env, log_to_driver=True)
         offered, needed = int(ray.cluster_resources().get("GPU", 0)), gpu_slots_needed(cfg)
         if offered < needed:  # SkyRL's placement groups would wait for them until its timeout

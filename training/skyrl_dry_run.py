@@ -128,7 +128,7 @@ def run_dry_run(config: Config, folder: Path, *, steps: int = DEFAULT_STEPS, ext
     from tracker.naming import eval_key
 
     from training import skyrl_cpu
-    from training.skyrl_main import build_skyrl_config, merge_runtime_env_with_the_job, run_in_ray_task
+    from training.skyrl_main import build_skyrl_config, run_in_ray_task
 
     start = time.monotonic()
     folder = Path(folder).resolve()
@@ -137,8 +137,6 @@ def run_dry_run(config: Config, folder: Path, *, steps: int = DEFAULT_STEPS, ext
     cfg = build_skyrl_config(overrides)
     gpu_only = [f"{gpu} (here: {override})" for override, gpu in CPU_CHANGES] + [NO_CPU_ROUTE]
     log("checked on GPU only (this CPU run changes them):\n  " + "\n  ".join(gpu_only))
-    if join_cluster:
-        merge_runtime_env_with_the_job()
     skyrl_cpu.start_ray(cfg, local=not join_cluster)
     try:
         run = run_in_ray_task(cfg, config, register_best=False)
