@@ -63,6 +63,32 @@ def test_the_dry_run_needs_a_gpu_slot_for_the_policy_and_one_per_engine(test_con
                                                           "generator.inference_engine.num_engines=2"])) == 4
 
 
+def test_a_dry_run_job_on_a_cluster_without_gpu_slots_is_refused_with_the_key_to_set(test_config, tmp_path,
+                                                                                      monkeypatch):
+    """Inside a Ray job the dry run joins the job's cluster; one whose nodes offer no logical GPUs gets a
+    usage-style error naming `ray.gpus_per_node`, not a traceback nor placement groups that wait. Joining
+    is observed at `ray.init` / `ray.cluster_resources` (the job's cluster): what the cluster answers is the
+    input here."""
+    from click.testing import CliRunner
+
+    from rlops.cli import main
+
+    joined = []
+    monkeypatch.setattr("ray.init", lambda **kwargs: joined.append(kwargs))
+    monkeypatch.setattr("ray.cluster_resources", lambda: {"CPU": 4.0, "memory": 2.0**33})
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")  # what Ray's job supervisor gives its driver
+    monkeypatch.setenv("RAY_OVERRIDE_JOB_RUNTIME_ENV", "0")  # set by the driver; restored after the test
+    config_file = write_config(tmp_path / "mlflow.yaml", test_config.model_dump(mode="json", exclude_none=True))
+    out = CliRunner().invoke(main, ["--config", str(config_file), "train", "--skyrl-dry-run", "--run-dir",
+                                    str(tmp_path / "dry-run")])
+    assert out.exit_code == 1 and isinstance(out.exception, SystemExit), out.output  # click's error, not a crash
+    assert "Traceback" not in out.output
+    assert "the Ray cluster offers 0 GPU slots and the recipe's bundles take 2" in out.output
+    assert "ray.gpus_per_node" in out.output
+    [call] = joined
+    assert "address" not in call and call["runtime_env"]["worker_process_setup_hook"] == skyrl_cpu.SETUP_HOOK
+
+
 def metric_steps(client, run_id: str, key: str) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run_id, key))
 
