@@ -21,6 +21,9 @@ import yaml
 
 from conftest import REPO, ray_records, write_config
 from rlops.stack import RAY_HEAD, ray_temp_dir
+from tracker.checkpoints import TAG_SHA256
+from tracker.naming import eval_key
+from training.datasets import skyrl_eval_set
 
 pytestmark = pytest.mark.slow
 
@@ -123,10 +126,6 @@ def test_skyrl_dry_run_as_a_ray_job_stops_killed_and_resumes(ray_cluster, mlflow
     run KILLED (the driver cancels the training task), and the resubmission on the same run dir continues the
     same MLflow run after that checkpoint: every step's metrics once, the eval, every checkpoint and the HF
     export as LoggedModels, no registered version."""
-    from tracker.checkpoints import TAG_SHA256
-    from tracker.naming import eval_key
-    from training.datasets import skyrl_eval_set
-
     client = ray_cluster.job_client()
     model = f"model-{unique_name}"
     env = {**ray_cluster.env, "RLOPS_TRACKING__EXPERIMENT": f"exp-{unique_name}", "RLOPS_REGISTRY__MODELS": f"[{model}]",
