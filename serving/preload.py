@@ -23,6 +23,8 @@ from serving.routes import PRELOAD_KEY, RoutesSettings, hot_adapter_ids, replica
 
 log = logging.getLogger("ray.serve.rlops")
 
+RETRY_MAX_S = 60.0  # the longest wait before an adapter that failed to preload is tried again
+
 
 class PreloadingLLMServer(LLMServer):
     """`llm_config.server_cls` of the app (`serving.preload:PreloadingLLMServer`)."""
@@ -54,32 +56,46 @@ class PreloadingLLMServer(LLMServer):
             await self.engine.resolve_lora(await self._load_model(model_id))
 
     async def _follow_routes(self, settings: RoutesSettings) -> None:
-        """Every staleness_s / 2: refresh the routes; on a change (and at start) hold every hot adapter. Never
-        raises: a failed refresh keeps the last table, a failed load is logged and retried at the next change."""
+        """Every staleness_s / 2: refresh the routes; on a change (and at start) hold every hot adapter. An
+        adapter that failed to load (a download that timed out under load, a folder not there yet) is tried
+        again after staleness_s, then twice as long each time up to RETRY_MAX_S: waiting for the next change
+        would leave this replica cold for it until the next promotion. Never raises: a failed refresh keeps
+        the last table."""
         routes = replica_routes_cache(settings)
         slots = self._llm_config.lora_config.max_num_adapters_per_replica
-        first = True
+        hot: list[str] | None = None
+        failed: list[str] = []
+        retry_s = retry_at = 0.0
         while True:
             try:
-                if await asyncio.to_thread(routes.refresh) or first:
-                    first = False
-                    await self._preload(hot_adapter_ids(routes.table, slots))
+                if await asyncio.to_thread(routes.refresh) or hot is None:
+                    hot, retry_s = hot_adapter_ids(routes.table, slots), settings.staleness_s
+                    failed = await self._preload(hot)
+                    retry_at = time.monotonic() + retry_s
+                elif failed and time.monotonic() >= retry_at:
+                    retry_s = min(2 * retry_s, RETRY_MAX_S)
+                    failed = await self._preload(hot)
+                    retry_at = time.monotonic() + retry_s
             except Exception as exc:  # noqa: BLE001 - the replica serves on whatever preloading does
                 log.warning("preload: pass failed: %s", type(exc).__name__)
             await asyncio.sleep(settings.staleness_s / 2)
 
-    async def _preload(self, model_ids: list[str]) -> None:
+    async def _preload(self, model_ids: list[str]) -> list[str]:
         """Hold `model_ids` (newest first), loading the oldest first: whatever is held already costs nothing,
-        and the newest ends up the most recently used, the last the multiplex cache would evict."""
+        and the newest ends up the most recently used, the last the multiplex cache would evict. Returns the
+        ids that could not be loaded."""
+        failed = []
         for model_id in reversed(model_ids):
             started = time.monotonic()
             try:
                 await self._hold_adapter(model_id)
-            except Exception as exc:  # noqa: BLE001 - a request for it will say what is wrong; retried next change
+            except Exception as exc:  # noqa: BLE001 - a request for it will say what is wrong; retried later
                 log.warning("preload: adapter %s could not be loaded: %s", model_id, type(exc).__name__)
+                failed.append(model_id)
                 continue
             if model_id not in self._preloaded:
                 self._preloaded.add(model_id)
                 log.info(json.dumps({"event": "adapter_preloaded", "model_id": model_id,
                                      "seconds": round(time.monotonic() - started, 3)}))
         self._preloaded &= set(model_ids)
+        return failed

@@ -142,6 +142,19 @@ def ray_records(client, temp_dir: Path) -> dict[str, str]:
     return shown
 
 
+def llm_replica_logs(temp_dir: Path) -> dict[str, str]:
+    """Each LLM replica's own Serve log under a Ray temp dir (one file per replica, on whichever node it runs)."""
+    return {str(path.resolve()): path.read_text(errors="replace")
+            for path in Path(temp_dir).glob("session_*/logs/serve/replica_rlops_PreloadingLLMServer*.log")}
+
+
+def preload_lines(temp_dir: Path, model_id: str) -> list[str]:
+    """What the LLM replicas logged about preloading `model_id`: the message of a failed wait for it."""
+    quoted = json.dumps(model_id)
+    return [line for text in llm_replica_logs(temp_dir).values() for line in text.splitlines()
+            if "preload" in line and (model_id in line or quoted in line)]
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(stack: StackHandle, tmp_path_factory) -> RayClusterHandle:
     """A 2-node local Ray cluster (head + 1 worker raylet, 2 CPUs and 2 logical GPUs each: slots for a SkyRL

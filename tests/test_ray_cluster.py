@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, ray_records, write_config
+from conftest import REPO, llm_replica_logs, preload_lines, ray_records, write_config
 from rlops.stack import RAY_HEAD, ray_temp_dir
 from tracker.checkpoints import TAG_SHA256
 from tracker.naming import eval_key
@@ -178,12 +178,6 @@ def test_skyrl_dry_run_as_a_ray_job_stops_killed_and_resumes(ray_cluster, mlflow
 # ------------------------------------------------------------------------------------ serving on the cluster
 
 
-def _llm_replica_logs(config) -> dict[str, str]:
-    """Each LLM replica's own Serve log (one file per replica, on whichever node it runs)."""
-    return {path.name: path.read_text(errors="replace")
-            for path in ray_temp_dir(config).rglob("replica_rlops_PreloadingLLMServer*.log")}
-
-
 def test_two_ingress_and_two_llm_replicas_flip_production_together(ray_cluster, tmp_path_factory, unique_name):
     """`rlops serve` on the 2-node cluster with 2 ingress and 2 LLM replicas (the real vLLM engine, one per
     node): v2 is published as `promote --verify` does it (a preview, then the move) while 4 clients keep
@@ -238,14 +232,17 @@ def test_two_ingress_and_two_llm_replicas_flip_production_together(ray_cluster, 
         v2_id = f"{config.serving.base_model_id}:{version_folder(model, v2)}"
 
         def preloaded() -> list[str]:
-            return [name for name, text in _llm_replica_logs(config).items()
+            return [name for name, text in llm_replica_logs(ray_temp_dir(config)).items()
                     if '"adapter_preloaded"' in text and json.dumps(v2_id) in text]
 
         with httpx.Client(timeout=120) as http, ThreadPoolExecutor(4) as pool:
             clients = [pool.submit(client, http) for _ in range(4)]
             time.sleep(5)  # steady load on v1
             Promoter(config).publish_preview(model, v2, alias="production", trigger="test")  # --verify's first step
-            processes.wait_healthy(None, lambda: len(preloaded()) == 2, timeout_s=120, what="v2 on both LLM replicas")
+            try:
+                processes.wait_healthy(None, lambda: len(preloaded()) == 2, timeout_s=120, what="v2 on both LLM replicas")
+            except processes.ProcessError as exc:
+                raise AssertionError("\n".join([str(exc), *preload_lines(ray_temp_dir(config), v2_id)])) from None
             assert not [a for a in answers if a[2] == str(v2)]  # nobody has asked for v2 yet
             operations.promote(config, model, to_alias="production", version=v2, trigger="test")
             acked = time.time()
@@ -257,7 +254,7 @@ def test_two_ingress_and_two_llm_replicas_flip_production_together(ray_cluster, 
         stop.set()
         processes.stop(config.data_path, "serve-cluster", timeout_s=90)
 
-    assert len(_llm_replica_logs(config)) == 2  # serving.min/max_replicas: 2 engines
+    assert len(llm_replica_logs(ray_temp_dir(config))) == 2  # serving.min/max_replicas: 2 engines
     statuses = collections.Counter(status for _, status, _, _ in answers)
     assert statuses and all(status < 500 for status in statuses), statuses
     after = [a for a in answers if a[0] > acked + STALENESS_S]
