@@ -14,7 +14,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 from urllib.parse import urlsplit
 
 import boto3
@@ -273,6 +273,16 @@ def ray_node_env(config: Config, environ: Mapping[str, str] | None = None) -> di
     return env
 
 
+def vllm_cpu_binding(index: int, nodes: int, cpus: Sequence[int]) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` of node `index` (0 = the head) of the local cluster: its own share of the
+    host's CPUs. Every node runs on this one host, and vLLM's `auto` binding pins each engine's worker to the
+    same first core, so two engines would share one core while others idle (an adapter load then waits
+    minutes behind the busier engine's steps)."""
+    per_node = max(1, len(cpus) // nodes)
+    start = (index * per_node) % len(cpus)
+    return ",".join(str(cpu) for cpu in cpus[start:start + per_node])
+
+
 def ray_alive_nodes(config: Config) -> int:
     """Raylets the cluster's GCS reports alive, from the dashboard's state API over HTTP with the token file
     (0 if it does not answer). Not through `ray.util.state`: a process that used Ray before keeps the auth
@@ -318,11 +328,13 @@ def _start_ray(config: Config, started: list[str], timeout_s: float) -> None:
     if not _running(config, RAY_HEAD):
         _check_port_free(config.ray.host, config.ray.port, "ray.port")
         _check_port_free(config.ray.host, config.ray.dashboard_port, "ray.dashboard_port")
+    cpus = sorted(os.sched_getaffinity(0))
     # One node at a time: each start is import-heavy, and two at once on 2 cores miss Ray's startup limits.
     for index, name in enumerate(names, start=1):
         if not _running(config, name):
             started.append(name)
-            _start_ray_node(config, name, env, index, timeout_s)
+            binding = {"VLLM_CPU_OMP_THREADS_BIND": vllm_cpu_binding(index - 1, len(names), cpus)}
+            _start_ray_node(config, name, {**binding, **env}, index, timeout_s)  # a binding set by the user wins
 
 
 def _stop_order(name: str) -> int:

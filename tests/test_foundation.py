@@ -272,6 +272,17 @@ def test_up_starts_nothing_for_external_services(stack, tmp_path):
     assert run_cli(["status"], env).returncode == 0
 
 
+def test_each_local_ray_node_binds_vllm_to_its_own_cpus():
+    """All nodes of the local cluster share one host: each node's vLLM workers get their own share of its
+    CPUs (vLLM's `auto` would pin every engine to the same first core)."""
+    from rlops.stack import vllm_cpu_binding
+
+    assert [vllm_cpu_binding(i, 2, [0, 1]) for i in range(2)] == ["0", "1"]
+    assert [vllm_cpu_binding(i, 3, [0, 1]) for i in range(3)] == ["0", "1", "0"]  # more nodes than CPUs: round robin
+    assert [vllm_cpu_binding(i, 2, [2, 3, 5, 7]) for i in range(2)] == ["2,3", "5,7"]  # the CPUs this process may use
+    assert vllm_cpu_binding(0, 1, [0, 1, 2]) == "0,1,2"
+
+
 def test_ray_section_default_is_no_cluster_and_nodes_get_their_own_ports(tmp_path):
     from rlops.stack import RAY_TOKEN_FILE, ray_argv, ray_node_env, ray_node_names
 

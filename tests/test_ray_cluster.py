@@ -220,7 +220,7 @@ def test_two_ingress_and_two_llm_replicas_flip_production_together(ray_cluster, 
     def client(http: httpx.Client) -> None:
         body = {"model": f"{config.serving.base_model_id}:{model}", "max_tokens": 1,
                 "messages": [{"role": "user", "content": "move"}]}
-        while not stop.is_set() and len(answers) < 2000:
+        while not stop.is_set():
             sent = time.time()
             r = http.post(f"{url}/v1/chat/completions", json=body)
             answers.append((sent, r.status_code, r.headers.get("x-rlops-model-version"), r.headers.get("x-rlops-replica")))
@@ -255,6 +255,9 @@ def test_two_ingress_and_two_llm_replicas_flip_production_together(ray_cluster, 
         processes.stop(config.data_path, "serve-cluster", timeout_s=90)
 
     assert len(llm_replica_logs(ray_temp_dir(config))) == 2  # serving.min/max_replicas: 2 engines
+    cores = {line.rsplit("core ids=", 1)[1].strip() for path in ray_temp_dir(config).glob("session_*/logs/worker-*.out")
+             for line in path.read_text(errors="replace").splitlines() if "core ids=" in line}
+    assert len(cores) == 2, cores  # each node's engine on its own core (rlops.stack.vllm_cpu_binding)
     statuses = collections.Counter(status for _, status, _, _ in answers)
     assert statuses and all(status < 500 for status in statuses), statuses
     after = [a for a in answers if a[0] > acked + STALENESS_S]
