@@ -21,7 +21,7 @@ import yaml
 
 from rlops import stack as rlops_stack
 from rlops.config import RAY_TOKEN_FILE, Config, load_config, s3_environment
-from rlops.processes import free_port
+from rlops.processes import ProcessError, free_port, wait_healthy
 from rlops.processes import stop as stop_process
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,6 +153,21 @@ def preload_lines(temp_dir: Path, model_id: str) -> list[str]:
     quoted = json.dumps(model_id)
     return [line for text in llm_replica_logs(temp_dir).values() for line in text.splitlines()
             if "preload" in line and (model_id in line or quoted in line)]
+
+
+def wait_preloaded(temp_dir: Path, model_id: str, replicas: int, timeout_s: float) -> float:
+    """Wait until `replicas` LLM replicas have logged `model_id` preloaded; a timeout fails with what they
+    logged about it."""
+    quoted = json.dumps(model_id)
+
+    def held() -> bool:
+        return sum(any('"adapter_preloaded"' in line and quoted in line for line in text.splitlines())
+                   for text in llm_replica_logs(temp_dir).values()) == replicas
+
+    try:
+        return wait_healthy(None, held, timeout_s=timeout_s, what=f"{model_id} preloaded on {replicas} LLM replica(s)")
+    except ProcessError as exc:
+        raise AssertionError("\n".join([str(exc), *preload_lines(temp_dir, model_id)])) from None
 
 
 @pytest.fixture(scope="session")

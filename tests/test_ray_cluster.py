@@ -7,7 +7,6 @@ job API or session dir."""
 from __future__ import annotations
 
 import collections
-import json
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, llm_replica_logs, preload_lines, ray_records, write_config
+from conftest import REPO, llm_replica_logs, ray_records, wait_preloaded, write_config
 from rlops.stack import RAY_HEAD, ray_temp_dir
 from tracker.checkpoints import TAG_SHA256
 from tracker.naming import eval_key
@@ -231,18 +230,11 @@ def test_two_ingress_and_two_llm_replicas_flip_production_together(ray_cluster, 
         print(f"\n2 ingress + 2 vLLM replicas ready in {waited:.0f} s")
         v2_id = f"{config.serving.base_model_id}:{version_folder(model, v2)}"
 
-        def preloaded() -> list[str]:
-            return [name for name, text in llm_replica_logs(ray_temp_dir(config)).items()
-                    if '"adapter_preloaded"' in text and json.dumps(v2_id) in text]
-
         with httpx.Client(timeout=120) as http, ThreadPoolExecutor(4) as pool:
             clients = [pool.submit(client, http) for _ in range(4)]
             time.sleep(5)  # steady load on v1
             Promoter(config).publish_preview(model, v2, alias="production", trigger="test")  # --verify's first step
-            try:
-                processes.wait_healthy(None, lambda: len(preloaded()) == 2, timeout_s=120, what="v2 on both LLM replicas")
-            except processes.ProcessError as exc:
-                raise AssertionError("\n".join([str(exc), *preload_lines(ray_temp_dir(config), v2_id)])) from None
+            wait_preloaded(ray_temp_dir(config), v2_id, replicas=2, timeout_s=120)
             assert not [a for a in answers if a[2] == str(v2)]  # nobody has asked for v2 yet
             operations.promote(config, model, to_alias="production", version=v2, trigger="test")
             acked = time.time()

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import TEXT_PROMPT, maze_image, offline_inputs, preload_lines, register_adapter, train_adapter
+from conftest import TEXT_PROMPT, maze_image, offline_inputs, preload_lines, register_adapter, train_adapter, wait_preloaded
 from rlops import processes
 from rlops.config import Config, load_config
 
@@ -119,6 +119,19 @@ class ServedApp:
             before = time.time()
             sync_model(self.config, self.model, trigger="test")
             self.publications.append((before, time.time(), alias, version))
+
+    def rewrite_history(self, edit) -> None:
+        """Publish the manifest with its history passed through `edit`, as a writer outside rlops would (no
+        folder is copied or checked)."""
+        from registry_hooks import storage
+        from registry_hooks.sync import Promoter
+        from rlops.layout import parse_s3_uri
+
+        dest, location = Promoter(self.config).dest, parse_s3_uri(self.config.lora_path)
+        with self.lock:
+            manifest, etag = storage.read_manifest(dest, location, self.model)
+            storage.write_manifest(dest, location, manifest.model_copy(update={
+                "history": edit(manifest.history), "generation": manifest.generation + 1}), etag)
 
 
 @pytest.fixture(scope="session")
@@ -544,20 +557,14 @@ def test_load_while_alias_flips_has_no_5xx_and_only_published_versions(served: S
 def test_adapter_that_cannot_be_loaded_is_a_503_with_retry_after(served: ServedApp):
     """A published version whose folder vanished from S3 (an eviction outside rlops) is a transient 503 that
     says when to retry, not a 404 for a name the registry serves; the folder name stays hidden."""
-    from registry_hooks import storage
-    from registry_hooks.sync import Promoter
-    from rlops.layout import HistoryEntry, parse_s3_uri, utc_now
+    from rlops.layout import HistoryEntry, utc_now
 
     version = register_adapter(served.config, served.adapters[1], step=3)
     # v3 as if once moved to staging and away again, its folder since gone: a history entry (v3 stays
     # addressable as @v3) and no folder. Not by moving staging there and back: every LLM replica preloads a
     # target, and would answer from its copy.
-    promoter, location = Promoter(served.config), parse_s3_uri(served.config.lora_path)
-    with served.lock:
-        manifest, etag = storage.read_manifest(promoter.dest, location, served.model)
-        entry = HistoryEntry(alias="staging", version=version, at=utc_now(), trigger="test")
-        storage.write_manifest(promoter.dest, location, manifest.model_copy(update={
-            "history": [*manifest.history, entry], "generation": manifest.generation + 1}), etag)
+    entry = HistoryEntry(alias="staging", version=version, at=utc_now(), trigger="test")
+    served.rewrite_history(lambda history: [*history, entry])
     time.sleep(STALENESS_S)
     r = httpx.post(f"{served.url}/v1/chat/completions", headers=served.headers(), timeout=120,
                    json={"model": served.name(f"@v{version}"), "messages": chat_messages(False), "max_tokens": 1})
@@ -572,39 +579,27 @@ def test_a_hot_adapter_that_failed_to_preload_is_loaded_once_it_can_be(served: S
     """An LLM replica tries a hot adapter that failed to preload again on its own, not only at the next routes
     change: a staging preview whose folder is not there yet fails, then the folder is copied (no manifest
     change, so no routes change) and the replica holds it within the retry backoff."""
-    from registry_hooks import storage
     from registry_hooks.sync import Promoter
-    from rlops.layout import HistoryEntry, parse_s3_uri, utc_now, version_folder
+    from rlops.layout import HistoryEntry, utc_now, version_folder
     from serving.preload import RETRY_MAX_S
 
     ray_temp = Path("/tmp/ray")  # `rlops serve` without a ray section starts a local Ray in Ray's default dir
     version = register_adapter(served.config, served.adapters[2], step=5)
     model_id = f"{served.base}:{version_folder(served.model, version)}"
-    promoter, location = Promoter(served.config), parse_s3_uri(served.config.lora_path)
-    with served.lock:
-        manifest, etag = storage.read_manifest(promoter.dest, location, served.model)
-        preview = HistoryEntry(alias="staging", version=version, at=utc_now(), trigger="test", event="preview")
-        storage.write_manifest(promoter.dest, location, manifest.model_copy(update={
-            "history": [*manifest.history, preview], "generation": manifest.generation + 1}), etag)
+    preview = HistoryEntry(alias="staging", version=version, at=utc_now(), trigger="test", event="preview")
+    served.rewrite_history(lambda history: [*history, preview])
     try:
         processes.wait_healthy(None, lambda: any("could not be loaded" in line for line in preload_lines(ray_temp, model_id)),
                                timeout_s=60, what=f"a failed preload of {model_id}")
-        promoter.prepare(served.model, version)  # the folder only: the routes stay as they are
+        Promoter(served.config).prepare(served.model, version)  # the folder only: the routes stay as they are
         copied = time.monotonic()
-        try:
-            processes.wait_healthy(None, lambda: any('"adapter_preloaded"' in line for line in preload_lines(ray_temp, model_id)),
-                                   timeout_s=RETRY_MAX_S + 30, what=f"{model_id} preloaded after its folder appeared")
-        except processes.ProcessError as exc:
-            raise AssertionError("\n".join([str(exc), *preload_lines(ray_temp, model_id)])) from None
+        wait_preloaded(ray_temp, model_id, replicas=1, timeout_s=RETRY_MAX_S + 30)
         print(f"held {time.monotonic() - copied:.1f} s after its folder appeared")
         r = httpx.post(f"{served.url}/v1/chat/completions", headers=served.headers(), timeout=120,
                        json={"model": served.name(f"@v{version}"), "messages": chat_messages(False), "max_tokens": 1})
         assert r.status_code == 200 and r.headers["x-rlops-model-version"] == str(version), r.text
     finally:
-        with served.lock:  # the other tests expect no pending preview
-            manifest, etag = storage.read_manifest(promoter.dest, location, served.model)
-            storage.write_manifest(promoter.dest, location, manifest.model_copy(update={
-                "history": [e for e in manifest.history if e != preview], "generation": manifest.generation + 1}), etag)
+        served.rewrite_history(lambda history: [e for e in history if e != preview])  # the other tests expect none pending
 
 
 def test_canary_splits_by_weight_sticky_per_client_and_flips_without_5xx(served: ServedApp):
