@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlops-installed
 
-.PHONY: demo test install test-fast bench clean
+.PHONY: demo test install test-fast test-shuffled bench clean
 
 $(STAMP): pyproject.toml constraints/cpu.txt scripts/install.sh
 	bash scripts/install.sh dev
@@ -16,6 +16,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -x -q --durations=15
+
+# Order must not matter: the whole suite in a random order; SEED=N repeats one (the header prints it).
+SEED ?= $(shell python3 -c 'import random; print(random.randrange(10**6))')
+test-shuffled: $(STAMP)
+	$(PY) -m pytest -q --durations=15 --shuffle-seed=$(SEED)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

@@ -8,12 +8,10 @@ stage transition still converges and a pass with nothing to do stays cheap at 10
 """
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from typing import Callable
 
-from mlflow.exceptions import MlflowException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -24,6 +22,7 @@ from starlette.routing import Route
 from registry_hooks import registry, storage
 from registry_hooks.reconcile import ManifestCache, PassReport, run_pass
 from registry_hooks.operations import RECONCILER_STATUS
+from registry_hooks.subscriptions import WEBHOOK_PATH, HooksError, webhook_name
 from registry_hooks.sync import Promoter, SyncReport, sync_model
 from registry_hooks.webhook import (
     ALIAS_EVENTS,
@@ -37,17 +36,12 @@ from rlops.config import Config, mask_text
 from rlops.layout import utc_now
 from tracker import sweep_stale_runs
 
-WEBHOOK_PATH = "/webhook"
 ERROR_TEXT_LIMIT = 300
 
 
 def describe_error(context: str, exc: BaseException, config: Config) -> str:
     """What /healthz and the heartbeat show of a failure: masked (secrets, URI passwords) and bounded."""
     return mask_text(f"{context}: {type(exc).__name__}: {exc}", [config.hooks.secret])[:ERROR_TEXT_LIMIT]
-
-
-class HooksError(RuntimeError):
-    """The hooks service cannot start or register as configured (message says which key)."""
 
 
 class Metrics:
@@ -250,42 +244,3 @@ def serve(config: Config) -> None:
         if watcher is not None:
             watcher.stop()
         reconciler.stop()
-
-
-def webhook_url(config: Config) -> str:
-    return config.hooks.public_url or f"http://{config.hooks.host}:{config.hooks.port}{WEBHOOK_PATH}"
-
-
-def webhook_name(config: Config) -> str:
-    """One webhook per deployment (its adapter path), so re-registering updates it instead of adding one."""
-    return "rlops-promotion-" + hashlib.sha256(config.lora_path.encode()).hexdigest()[:10]
-
-
-def _all_webhooks(client) -> list:
-    hooks, token = [], None
-    while True:
-        page = client.list_webhooks(max_results=100, page_token=token)
-        hooks.extend(page)
-        token = page.token
-        if not token:
-            return hooks
-
-
-def register_webhook(config: Config) -> str:
-    """Create (or update) the MLflow webhook that posts alias events to the receiver; returns its id."""
-    if not config.hooks.secret:
-        raise HooksError("hooks.secret is not set: export RLOPS_HOOKS__SECRET before `rlops hooks register`")
-    client = registry.mlflow_client(config)
-    url = webhook_url(config)
-    name = webhook_name(config)
-    try:
-        existing = [w for w in _all_webhooks(client) if w.name == name]
-        if existing:
-            hook = client.update_webhook(existing[0].webhook_id, url=url, events=list(ALIAS_EVENTS),
-                                         secret=config.hooks.secret, status="ACTIVE")
-        else:
-            hook = client.create_webhook(name, url, list(ALIAS_EVENTS), secret=config.hooks.secret,
-                                         description="rlops: alias moved -> reconcile served adapters")
-    except MlflowException as exc:
-        raise HooksError(f"MLflow at {config.tracking_uri} refused the webhook: {exc.message}") from None
-    return hook.webhook_id

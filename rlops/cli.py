@@ -63,8 +63,22 @@ def up(obj: CliContext, timeout: float) -> None:
 @main.command()
 @pass_ctx
 def down(obj: CliContext) -> None:
-    """Stop everything rlops started from this data dir (stack, serving, hooks), and nothing else."""
-    stopped = stack.down(obj.config)
+    """Stop everything rlops started from this data dir (stack, serving, hooks), and nothing else. The MLflow
+    webhook that points at this config's local hooks service goes with it (a dead one delays every delivery)."""
+    config = obj.config
+    if stack.mlflow_healthy(config.tracking_uri):
+        from mlflow.exceptions import MlflowException
+
+        from registry_hooks.subscriptions import forget_local_webhook
+
+        try:
+            webhook_id = forget_local_webhook(config)
+        except MlflowException as exc:
+            click.echo(f"warning: could not delete the local hooks' webhook: {exc.message}", err=True)
+        else:
+            if webhook_id:
+                click.echo(f"deleted webhook {webhook_id} (it pointed at the local hooks service)")
+    stopped = stack.down(config)
     click.echo(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
 
 
@@ -74,6 +88,16 @@ def status(obj: CliContext) -> None:
     """Report each part of the stack; exit 1 if a managed part is not healthy."""
     parts = stack.status(obj.config)
     _print_status(parts)
+    if stack.mlflow_healthy(obj.config.tracking_uri):
+        from registry_hooks.subscriptions import HooksError, check_webhooks
+
+        try:
+            checks = check_webhooks(obj.config)
+        except HooksError as exc:
+            click.echo(f"  webhooks: {exc}", err=True)
+        else:
+            click.echo(f"  webhooks {sum(c.answers for c in checks)}/{len(checks)} on alias events answer")
+            echo_dead_webhooks(checks)
     down = [p.name for p in parts if p.managed and not p.healthy]
     if down:
         click.echo(f"not running: {', '.join(down)} (`rlops up` starts the stack)", err=True)
@@ -87,7 +111,7 @@ main.add_command(base_group)
 main.add_command(train)
 from rlops.commands.serve import serve_command  # noqa: E402
 main.add_command(serve_command)
-from rlops.commands.hooks import hooks_group  # noqa: E402
+from rlops.commands.hooks import echo_dead_webhooks, hooks_group  # noqa: E402
 main.add_command(hooks_group)
 
 from rlops.commands.demo import demo_command  # noqa: E402

@@ -236,7 +236,7 @@ def _promote(config: Config, config_path: str | None, model: str, version: int, 
     from mlflow import MlflowClient
 
     from registry_hooks import Refused, promote
-    from registry_hooks.service import register_webhook
+    from registry_hooks.subscriptions import register_webhook
 
     secret = _hooks_secret(config)
     hooks_config = config.model_copy(update={"hooks": config.hooks.model_copy(update={"secret": secret})})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 import socket
 import sys
@@ -35,6 +36,33 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.longrepr = f"skipped under CI=true (missing infrastructure must fail, not skip): {reason}"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shuffle-seed", type=int, default=None,
+                     help="Run the tests in an order shuffled by this seed (`make test-shuffled`): order must not matter.")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules in a shuffled order, and the tests of each module shuffled (as pytest-randomly does), so a
+    module-scoped fixture (a PostgreSQL server, a cluster) still starts once."""
+    seed = config.getoption("--shuffle-seed")
+    if seed is None:
+        return
+    rng = random.Random(seed)
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = list(modules.values())
+    rng.shuffle(order)
+    for tests in order:
+        rng.shuffle(tests)
+    items[:] = [item for tests in order for item in tests]
+
+
+def pytest_report_header(config):
+    seed = config.getoption("--shuffle-seed")
+    return f"test order shuffled with --shuffle-seed={seed}" if seed is not None else None
 
 
 @pytest.hookimpl(trylast=True)

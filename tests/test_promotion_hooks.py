@@ -16,8 +16,9 @@ from click.testing import CliRunner
 
 from registry_hooks import operations
 from registry_hooks.cli import main as promote_cli
-from registry_hooks.service import Metrics, Reconciler, create_app, webhook_name
-from registry_hooks.webhook import MAX_BODY_BYTES, sign
+from registry_hooks.service import Metrics, Reconciler, create_app
+from registry_hooks.subscriptions import webhook_name
+from registry_hooks.webhook import ALIAS_EVENTS, MAX_BODY_BYTES, sign
 from rlops import processes
 from rlops.cli import main as rlops_cli
 from rlops.processes import free_port
@@ -116,6 +117,56 @@ def test_webhook_alone_promotes_within_seconds(stack, test_config, mlflow_client
     assert wait_for(lambda: served(stack, cfg) is None, 15)
     body = httpx.get(f"{url}/metrics").text
     assert 'rlops_hooks_deliveries_total{result="accepted"}' in body
+
+
+def test_dead_webhooks_are_reported_pruned_and_never_delay_the_live_one(stack, test_config, mlflow_client,
+                                                                        hooks_service, version, tmp_path, request):
+    """Webhooks left by stopped receivers (issue 36): MLflow retries each delivery to them for ~7 s from one
+    pool of 10 workers, so every move queues that much work before the next move's deliveries. With 12 of them
+    a move still reaches the live receiver within the bound; `rlops hooks register` and `rlops status` name
+    them, `rlops hooks prune` deletes exactly those, and then a burst of other moves delays nothing."""
+    dead = {mlflow_client.create_webhook(f"stale-{i}-{uuid.uuid4().hex[:6]}", f"http://127.0.0.1:{free_port()}/webhook",
+                                         list(ALIAS_EVENTS)).webhook_id for i in range(12)}
+    request.addfinalizer(lambda: [mlflow_client.delete_webhook(h.webhook_id)
+                                  for h in mlflow_client.list_webhooks(max_results=100) if h.webhook_id in dead])
+    cfg, reconciler, metrics, url = hooks_service(reconcile_interval_s=0)
+    path = write_config(tmp_path / "mlflow.yaml", cfg.model_dump(exclude_none=True, exclude={"hooks": {"secret"}}))
+    runner = CliRunner()
+    env = {"RLOPS_HOOKS__SECRET": cfg.hooks.secret}
+    registered = runner.invoke(rlops_cli, ["--config", str(path), "hooks", "register"], env=env)
+    assert registered.exit_code == 0 and "12 webhook(s) on alias events do not answer" in registered.stderr, \
+        registered.output
+    assert all(hook_id in registered.stderr for hook_id in dead) and "rlops hooks prune" in registered.stderr
+    model = cfg.registry.models[0]
+    v1, v2 = version(1), version(2)
+    time.sleep(2.5)  # MLFLOW_WEBHOOK_CACHE_TTL of the embedded stack
+
+    started = time.monotonic()
+    mlflow_client.set_registered_model_alias(model, "production", str(v1))
+    assert wait_for(lambda: served(stack, cfg) == v1, 15), "webhook did not promote behind 12 dead webhooks"
+    latency = time.monotonic() - started
+    print(f"12 dead webhooks registered: alias set -> published via webhook in {latency:.2f}s")
+    assert latency < 10
+
+    status = runner.invoke(rlops_cli, ["--config", str(path), "status"], env=env)
+    assert "webhooks 1/13 on alias events answer" in status.stdout, status.output
+    assert all(hook_id in status.stderr for hook_id in dead), status.output
+    pruned = runner.invoke(rlops_cli, ["--config", str(path), "hooks", "prune", "--yes"], env=env)
+    assert pruned.exit_code == 0, pruned.output
+    assert {line.split()[2] for line in pruned.stdout.splitlines() if line.startswith("deleted webhook")} == dead
+    left = {h.webhook_id: h.name for h in mlflow_client.list_webhooks(max_results=100)}
+    assert not dead & set(left) and webhook_name(cfg) in left.values()
+    assert "nothing to delete" in runner.invoke(rlops_cli, ["--config", str(path), "hooks", "prune"], env=env).stdout
+
+    other = f"{model}-other"  # another team's model: its moves' deliveries queue before ours in MLflow's pool
+    mlflow_client.create_registered_model(other)
+    other_version = mlflow_client.create_model_version(other, f"s3://{cfg.storage.bucket}/elsewhere").version
+    time.sleep(2.5)
+    for i in range(30):  # once pruned, a burst of moves queues nothing slow in front of the one that matters
+        mlflow_client.set_registered_model_alias(other, f"burst{i}", other_version)
+    started = time.monotonic()
+    mlflow_client.set_registered_model_alias(model, "production", str(v2))
+    assert wait_for(lambda: served(stack, cfg) == v2, 15) and time.monotonic() - started < 10
 
 
 def test_forged_stale_replayed_and_duplicate_deliveries(stack, test_config, mlflow_client, hooks_service, version):
