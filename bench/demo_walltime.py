@@ -45,7 +45,7 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "rlops", "down"], env=env, capture_output=True, timeout=300)
     if out.returncode != 0:
         sys.exit(f"rlops demo failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    summary = json.loads(out.stdout)
     for stage, seconds in summary["stages"].items():
         print(f"  {seconds:7.1f} s  {stage}")
     budget = 240.0 if args.fast else BUDGET_S

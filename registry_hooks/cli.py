@@ -80,11 +80,11 @@ def _fail(message: str, code: int, as_json: bool) -> NoReturn:
     sys.exit(code)
 
 
-def _config(ctx: click.Context) -> Config:
+def _config(ctx: click.Context, as_json: bool) -> Config:
     try:
         return load_config(ctx.obj)
     except ConfigError as exc:
-        _fail(str(exc), 2, False)
+        _fail(str(exc), 2, as_json)
 
 
 @contextmanager
@@ -193,7 +193,7 @@ def main(ctx: click.Context, config_path: str | None) -> None:
 def to_command(ctx, model, to_alias, version, from_alias, force, reason, verify, endpoint, wait, wait_timeout, dry_run,
                as_json) -> None:
     """promote MODEL (--version N | --from ALIAS) --to ALIAS"""
-    config = _config(ctx)
+    config = _config(ctx, as_json)
     with handled(as_json), progress_bar(not as_json) as progress:
         report = operations.promote(config, model, to_alias=to_alias, version=version, from_alias=from_alias,
                                     force=force, actor=actor(config), reason=reason, dry_run=dry_run, progress=progress,
@@ -222,7 +222,7 @@ def to_command(ctx, model, to_alias, version, from_alias, force, reason, verify,
 def canary_command(ctx, model, alias, version, weight, promote_it, abort, force, reason, verify, endpoint, wait,
                    wait_timeout, dry_run, as_json) -> None:
     """Send W percent of ALIAS's clients (sticky per client) to version N; then --promote or --abort."""
-    config = _config(ctx)
+    config = _config(ctx, as_json)
     if version is not None and weight is None:
         _fail("--version needs --weight W (percent)", 2, as_json)
     alias = alias or config.registry.default_alias
@@ -242,7 +242,7 @@ def canary_command(ctx, model, alias, version, weight, promote_it, abort, force,
 @click.pass_context
 def history_command(ctx, model, alias, as_json) -> None:
     """Every published move: when, from -> to, canary weight, trigger, actor, reason, eval figure."""
-    config = _config(ctx)
+    config = _config(ctx, as_json)
     with handled(as_json):
         entries = operations.history(config, model, alias=alias)
     if as_json:
@@ -272,7 +272,7 @@ def history_command(ctx, model, alias, as_json) -> None:
 @click.pass_context
 def rollback_command(ctx, model, alias, reason, wait, wait_timeout, dry_run, as_json) -> None:
     """Move ALIAS back to the version it served before, then sync."""
-    config = _config(ctx)
+    config = _config(ctx, as_json)
     alias = alias or config.registry.default_alias
     with handled(as_json), progress_bar(not as_json) as progress:
         report = operations.rollback(config, model, alias=alias, actor=actor(config), reason=reason, dry_run=dry_run,
@@ -289,7 +289,7 @@ def rollback_command(ctx, model, alias, reason, wait, wait_timeout, dry_run, as_
 @click.pass_context
 def sync_command(ctx, model, reason, as_json) -> None:
     """Make serving match the registry now, for MODEL or every configured model."""
-    config = _config(ctx)
+    config = _config(ctx, as_json)
     reports = []
     with handled(as_json):
         for name in [model] if model else config.registry.models:
@@ -308,7 +308,7 @@ def sync_command(ctx, model, reason, as_json) -> None:
 @click.pass_context
 def retire_command(ctx, model, dry_run, as_json) -> None:
     """Stop serving MODEL (not in registry.models any more): unpublish its routes manifest, keep its folders."""
-    config = _config(ctx)
+    config = _config(ctx, as_json)
     with handled(as_json):
         record = operations.retire(config, model, actor=actor(config), dry_run=dry_run)
     if as_json:
@@ -325,7 +325,7 @@ def retire_command(ctx, model, dry_run, as_json) -> None:
 @click.pass_context
 def list_command(ctx, model, as_json) -> None:
     """Aliases (registry vs served), versions, folders and eval metrics."""
-    config = _config(ctx)
+    config = _config(ctx, as_json)
     with handled(as_json):
         models = operations.list_models(config, model)
     if as_json:
@@ -348,7 +348,7 @@ def list_command(ctx, model, as_json) -> None:
 @click.pass_context
 def status_command(ctx, as_json) -> None:
     """Drift between registry and served manifests, refusals, and the reconciler's health. Exit 6 on drift."""
-    config = _config(ctx)
+    config = _config(ctx, as_json)
     with handled(as_json):
         state = operations.status(config)
     troubled = not state["in_sync"] or any(m["refused"] for m in state["models"])
@@ -383,7 +383,7 @@ def status_command(ctx, as_json) -> None:
 @click.pass_context
 def gc_command(ctx, dry_run, as_json) -> None:
     """Delete version folders nothing names any more (marked collected first; `@vN` then answers 404)."""
-    config = _config(ctx)
+    config = _config(ctx, as_json)
     with handled(as_json):
         report = operations.gc(config, dry_run=dry_run)
     if as_json:
@@ -404,13 +404,13 @@ def gc_command(ctx, dry_run, as_json) -> None:
 @click.option("--alias", help="Served alias to check (default: registry.default_alias unless --version).")
 @click.option("--version", type=click.IntRange(min=1), help="Check this version, pinned as @v<N>.")
 @endpoint_option
-@click.option("--json", "as_json", is_flag=True)
+@json_option
 @click.pass_context
 def verify_command(ctx, model, alias, version, endpoint, as_json) -> None:
     """Send the version's fixed eval set through the endpoint (greedy) and compare with the tracked eval."""
     from registry_hooks.parity import verify_served
 
-    config = _config(ctx)
+    config = _config(ctx, as_json)
     if alias is None and version is None:
         alias = config.registry.default_alias
     with handled(as_json):

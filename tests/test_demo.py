@@ -40,8 +40,8 @@ def test_demo_fast_runs_the_whole_loop(stack, tmp_path, unique_name):
                              capture_output=True, text=True, timeout=600)
         elapsed = time.monotonic() - started
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        summary = json.loads(out.stdout.strip().splitlines()[-1])
-        assert "Where to look" in out.stdout and "rlops down" in out.stdout
+        summary = json.loads(out.stdout)  # --json: stdout is the one document, the stage lines are on stderr
+        assert "Where to look" in out.stderr and "rlops down" in out.stderr
 
         client = MlflowClient(stack.tracking_uri)
         run = client.get_run(summary["run_id"])
@@ -77,7 +77,7 @@ def test_demo_fast_runs_the_whole_loop(stack, tmp_path, unique_name):
         assert parity["version"] == int(production.version) and parity["mazes"] == 64 and parity["matching"] >= 63
         verify = subprocess.run([str(Path(sys.executable).parent / "promote"), "verify", model, "--json"], env=env,
                                 capture_output=True, text=True, timeout=300)
-        report = json.loads(verify.stdout.strip().splitlines()[-1])
+        report = json.loads(verify.stdout)
         assert verify.returncode == (0 if report["matching"] == report["mazes"] else 7), verify.stderr
         assert report["served_solve_rate"] == parity["served_solve_rate"]
         logged = client.get_logged_model(production.model_id or production.source.removeprefix("models:/"))
@@ -93,11 +93,11 @@ def test_demo_fast_runs_the_whole_loop(stack, tmp_path, unique_name):
         again = subprocess.run([sys.executable, "-m", "rlops", "demo", "--fast", "--json"], env=env,
                                capture_output=True, text=True, timeout=600)
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-        second = json.loads(again.stdout.strip().splitlines()[-1])
+        second = json.loads(again.stdout)
         assert second["run_id"] != summary["run_id"] and int(second["version"]) == int(summary["version"]) + 1
         production_now = client.get_model_version_by_alias(model, "production").version
         # The eval guardrail keeps the old production when the new run scored lower; the demo says so.
-        assert production_now == second["version"] or "promote refused (guardrail)" in again.stdout
+        assert production_now == second["version"] or "promote refused (guardrail)" in again.stderr
         assert second["served_version"] == production_now
         assert read_record(data_dir, "serve").pid == serve_pid
     finally:
@@ -105,3 +105,7 @@ def test_demo_fast_runs_the_whole_loop(stack, tmp_path, unique_name):
         assert down.returncode == 0, down.stderr
     # The session stack was reused, not started by the demo's data dir: it must still be up.
     assert MlflowClient(stack.tracking_uri).search_experiments(max_results=1) is not None
+    # ...and holds no webhook to the stopped hooks service (a dead one delays every later delivery: issue 36).
+    assert "deleted webhook" in down.stdout, down.stdout
+    assert not [h.url for h in MlflowClient(stack.tracking_uri).list_webhooks(max_results=100)
+                if f":{hooks_port}/" in h.url]

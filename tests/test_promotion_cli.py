@@ -253,3 +253,35 @@ def test_canary_cli_reweight_abort_promote_and_history(stack, test_config, mlflo
     assert all(e["trigger"] == "cli" and e["eval"] for e in entries)
     code, out, _ = cli("history", model)
     assert code == 0 and f"v{v1} -> v{v2} (canary promoted)" in out and "reason: good numbers" in out
+
+
+def test_every_json_output_is_one_document_on_stdout(stack, test_config, versions, cli, tmp_path):
+    """Issue 37: with --json, stdout parses as one JSON document (answers and errors alike), for each command."""
+    model = test_config.registry.models[0]
+    v1, v2 = versions(1, 0.5), versions(2, 0.75)
+    answers = [
+        (model, "--version", str(v1), "--to", "production"),
+        (model, "--version", str(v2), "--to", "production", "--dry-run"),
+        ("canary", model, "--version", str(v2), "--weight", "10"),
+        ("canary", model, "--abort"),
+        ("history", model),
+        ("rollback", model, "--dry-run"),
+        ("sync", model),
+        ("list", model),
+        ("status",),
+        ("gc", "--dry-run"),
+        ("retire", model, "--dry-run"),
+    ]
+    errors = [
+        ("verify", model, "--endpoint", "http://127.0.0.1:9"),  # nothing serves there
+        (model, "--version", "99", "--to", "production"),  # an unknown version
+    ]
+    for args in answers + errors:
+        code, out, err = cli(*args, "--json")
+        document = json.loads(out)  # raises on anything else on stdout
+        is_error = isinstance(document, dict) and "error" in document
+        assert is_error == (args in errors) and (document["exit_code"] == code != 0 if is_error else code == 0), \
+            (args, code, out, err)
+    broken = write_config(tmp_path / "broken.yaml", {"serving": {"prot": 1}})
+    bad = CliRunner().invoke(promote_cli, ["--config", str(broken), "status", "--json"])
+    assert bad.exit_code == 2 and "serving.prot" in json.loads(bad.stdout)["error"]

@@ -2,11 +2,14 @@
 tiny random-init model whose metrics, checkpoints, eval and registration land in the real MLflow server."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from click.testing import CliRunner
 
 from rlops.cli import main
 from rlops.config import Config
+from conftest import write_config
 from training import datasets as ds
 from test_tracker_support import logged_table
 from tracker.lineage import content_digest
@@ -234,17 +237,24 @@ def test_rerun_on_one_run_dir_continues_the_run_without_duplicate_steps(test_con
     [first] = mlflow_client.search_runs([mlflow_client.get_experiment_by_name(config.tracking.experiment).experiment_id])
     assert first.info.status == "FAILED"
 
-    # the same command again: the trainer resumes from checkpoint-2, the MLflow run continues after step 3
-    resumed = train(config, run_dir, steps=4, budget_s=600, fast=True, log=lambda _: None)
-    assert resumed.run_id == first.info.run_id and resumed.steps == 4
-    run = mlflow_client.get_run(resumed.run_id)
+    # the same command again, as `rlops train --json`: the trainer resumes from checkpoint-2, the MLflow run
+    # continues after step 3; stdout is the one JSON document, "resuming run ..." goes to stderr
+    path = write_config(tmp_path / "mlflow.yaml", config.model_dump(exclude_none=True))
+    cli = CliRunner().invoke(main, ["--config", str(path), "train", "--local", "--run-dir", str(run_dir),
+                                    "--steps", "4", "--budget", "600", "--fast", "--json"])
+    assert cli.exit_code == 0, cli.output
+    resumed = json.loads(cli.stdout)
+    assert f"resuming run {first.info.run_id}" in cli.stderr
+    assert resumed["run_id"] == first.info.run_id and resumed["steps"] == 4
+    run = mlflow_client.get_run(resumed["run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["rlops.resumes"] == "1"
-    rewards = mlflow_client.get_metric_history(resumed.run_id, "reward/avg_raw_reward")
+    rewards = mlflow_client.get_metric_history(resumed["run_id"], "reward/avg_raw_reward")
     assert sorted(m.step for m in rewards) == [1, 2, 3, 4]  # step 3 was replayed but logged once
-    evals = mlflow_client.get_metric_history(resumed.run_id, f"eval/{source}/avg_score")
-    assert sorted(m.step for m in evals) == [0, 2, 4] and [s for s, _ in resumed.curve] == [0, 2, 4]
+    assert_one_point_per_step(mlflow_client, run)  # the Trainer's end-of-training log adds no second point
+    evals = mlflow_client.get_metric_history(resumed["run_id"], f"eval/{source}/avg_score")
+    assert sorted(m.step for m in evals) == [0, 2, 4] and [s for s, _ in resumed["curve"]] == [0, 2, 4]
     models = mlflow_client.search_logged_models(experiment_ids=[run.info.experiment_id],
-                                                filter_string=f"source_run_id = '{resumed.run_id}'")
+                                                filter_string=f"source_run_id = '{resumed['run_id']}'")
     assert sorted(int(m.tags["rlops.step"]) for m in models) == [2, 4]
     for model in models:  # each LoggedModel's eval belongs to the weights it archived
         weights = run_dir / f"checkpoint-{model.tags['rlops.step']}" / "adapter_model.safetensors"
@@ -253,8 +263,8 @@ def test_rerun_on_one_run_dir_continues_the_run_without_duplicate_steps(test_con
 
     # a finished run dir starts a new run; the finished one's state and checkpoints move aside
     fresh = train(config, run_dir, steps=2, budget_s=600, fast=True, log=lambda _: None)
-    assert fresh.run_id != resumed.run_id and [s for s, _ in fresh.curve] == [0, 2]
-    archived = run_dir / f"previous-{resumed.run_id}"
+    assert fresh.run_id != resumed["run_id"] and [s for s, _ in fresh.curve] == [0, 2]
+    archived = run_dir / f"previous-{resumed['run_id']}"
     assert (archived / "checkpoint-4").is_dir() and (archived / ".rlops-tracker" / "run.json").is_file()
     assert sorted(m.step for m in mlflow_client.get_metric_history(fresh.run_id, "reward/avg_raw_reward")) == [1, 2]
 
@@ -262,3 +272,10 @@ def test_rerun_on_one_run_dir_continues_the_run_without_duplicate_steps(test_con
     more = train(config, run_dir, steps=4, budget_s=600, fast=True, resume=True, log=lambda _: None)
     assert more.run_id == fresh.run_id and [s for s, _ in more.curve] == [0, 2, 4]
     assert sorted(m.step for m in mlflow_client.get_metric_history(more.run_id, "reward/avg_raw_reward")) == [1, 2, 3, 4]
+    assert_one_point_per_step(mlflow_client, mlflow_client.get_run(more.run_id))
+
+
+def assert_one_point_per_step(client, run) -> None:
+    for key in run.data.metrics:
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+        assert len(steps) == len(set(steps)), f"{key} has two points at one step: {sorted(steps)}"

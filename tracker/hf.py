@@ -51,6 +51,9 @@ TRL_TO_SKYRL = {
     "epoch": "trainer/epoch",
 }
 EVAL_PREFIX = "eval_"
+# The Trainer's last log (train_runtime, train_loss, ...) comes at the step its last step's log already
+# covered, with that step's epoch again; logging its epoch or a perf/* interval would give a key two points.
+TRAIN_SUMMARY_KEY = "train_runtime"
 
 
 def numeric(logs: Mapping[str, Any]) -> dict[str, float]:
@@ -95,8 +98,11 @@ class TrackerCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
             metrics = train_metrics(logs)
-            if metrics:
+            if TRAIN_SUMMARY_KEY in logs:  # the end-of-training summary: its own keys only (see TRAIN_SUMMARY_KEY)
+                metrics.pop(TRL_TO_SKYRL["epoch"], None)
+            elif metrics:
                 metrics.update(self._clock.interval(logs.get("num_tokens")))
+            if metrics:
                 self.session.log_metrics(metrics, step=state.global_step)
             if control.should_save:
                 self.session.barrier()

@@ -1,6 +1,11 @@
 """The CLI's shared context: the config, loaded lazily so `--help` works even with a broken file."""
 from __future__ import annotations
 
+import json
+import sys
+from contextlib import contextmanager, redirect_stdout
+from typing import Callable, Iterator
+
 import click
 
 from rlops.config import Config, ConfigError, load_config
@@ -24,3 +29,21 @@ class CliContext:
 
 
 pass_ctx = click.make_pass_decorator(CliContext)
+
+
+@contextmanager
+def machine_output(as_json: bool) -> Iterator[Callable[[object], None]]:
+    """With `--json`, stdout holds exactly one JSON document: everything printed inside the block (our
+    messages, the libraries' prints and progress bars) goes to stderr, and the document is written with the
+    `emit` it yields. Without `--json`, `emit` prints the document as it is."""
+    stdout = sys.stdout
+
+    def emit(document: object) -> None:
+        stdout.write(json.dumps(document, indent=2) + "\n")
+        stdout.flush()
+
+    if not as_json:
+        yield emit
+        return
+    with redirect_stdout(sys.stderr):
+        yield emit

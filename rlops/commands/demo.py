@@ -1,16 +1,14 @@
 """`rlops demo`: train -> track -> register -> promote -> serve -> answer, on embedded defaults."""
 from __future__ import annotations
 
-import json
-
 import click
 
-from rlops.commands.context import CliContext, pass_ctx
+from rlops.commands.context import CliContext, machine_output, pass_ctx
 
 
 @click.command("demo")
 @click.option("--fast", is_flag=True, help="Tiny base without SFT and a few GRPO steps (CI: under 4 minutes).")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON at the end.")
+@click.option("--json", "as_json", is_flag=True, help="Stdout: the summary as one JSON document; the stage lines go to stderr.")
 @pass_ctx
 def demo_command(obj: CliContext, fast: bool, as_json: bool) -> None:
     """Run the whole loop on this machine; leaves MLflow, S3, hooks and the endpoint running (`rlops down` stops them)."""
@@ -18,10 +16,12 @@ def demo_command(obj: CliContext, fast: bool, as_json: bool) -> None:
     from rlops.processes import ProcessError
     from rlops.stack import StackError
 
-    try:
-        summary = run_demo(obj.config, fast=fast, config_path=obj.path, echo=click.echo)
-    except (DemoError, ProcessError, StackError) as exc:
-        raise click.ClickException(f"demo stopped: {exc}\nEverything it started is still recorded; `rlops down` stops it.") from None
-    click.echo(where_to_look(obj.config, summary))
+    with machine_output(as_json) as emit:
+        try:
+            summary = run_demo(obj.config, fast=fast, config_path=obj.path, echo=click.echo)
+        except (DemoError, ProcessError, StackError) as exc:
+            raise click.ClickException(f"demo stopped: {exc}\nEverything it started is still recorded; "
+                                       "`rlops down` stops it.") from None
+        click.echo(where_to_look(obj.config, summary))
     if as_json:
-        click.echo(json.dumps(summary.to_dict()))
+        emit(summary.to_dict())

@@ -2,14 +2,13 @@
 `rlops train --skyrl-dry-run` (the production SkyRL recipe shrunk to minutes on CPU, training.skyrl_dry_run)."""
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import click
 
-from rlops.commands.context import CliContext, pass_ctx
+from rlops.commands.context import CliContext, machine_output, pass_ctx
 
 
 @click.group("base")
@@ -49,7 +48,9 @@ def base_build(obj: CliContext) -> None:
               help="Start a new MLflow run in --run-dir even if its run did not finish (its checkpoints move aside).")
 @click.option("--run-name", default=None, help="MLflow name of a new run (default: grpo-<base>-r<rank>-<date>).")
 @click.option("--fast", is_flag=True, help="Skip SFT: random-init tiny base (smoke tests).")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Stdout: the result as one JSON document (keys: README, 'rlops train --local --json'); "
+              "messages go to stderr.")
 @pass_ctx
 def train(obj: CliContext, local: bool, dry_run: bool, steps: int | None, budget_s: float | None,
           run_dir: str | None, resume: bool | None, run_name: str | None, fast: bool, as_json: bool) -> None:
@@ -70,13 +71,14 @@ def train(obj: CliContext, local: bool, dry_run: bool, steps: int | None, budget
     if resume is not None and not run_dir:
         raise click.UsageError("--resume and --new-run need --run-dir (the default is a new folder)")
     folder = Path(run_dir) if run_dir else obj.config.data_path / "runs" / time.strftime("%Y%m%d-%H%M%S")
-    try:
-        result = run_training(obj.config, folder, budget_s=budget_s, steps=steps, fast=fast, resume=resume,
-                              run_name=run_name, log=click.echo)
-    except (TrainingError, RunDirBusy) as exc:
-        raise click.ClickException(str(exc)) from None
+    with machine_output(as_json) as emit:
+        try:
+            result = run_training(obj.config, folder, budget_s=budget_s, steps=steps, fast=fast, resume=resume,
+                                  run_name=run_name, log=click.echo)
+        except (TrainingError, RunDirBusy) as exc:
+            raise click.ClickException(str(exc)) from None
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
+        emit(result.to_dict())
         return
     click.echo(f"run {result.run_id}: {result.steps} GRPO steps in {result.seconds:.0f} s "
                f"({result.seconds_per_step:.2f} s/step)")
@@ -97,13 +99,14 @@ def skyrl_dry_run(obj: CliContext, steps: int | None, run_dir: str | None, as_js
     from training.skyrl_dry_run import DEFAULT_STEPS, run_dry_run, runs_as_ray_job
 
     folder = Path(run_dir) if run_dir else obj.config.data_path / "skyrl-dry-run" / time.strftime("%Y%m%d-%H%M%S")
-    try:
-        result = run_dry_run(obj.config, folder, steps=steps or DEFAULT_STEPS, join_cluster=runs_as_ray_job(os.environ),
-                             log=click.echo)
-    except CPUModeError as exc:
-        raise click.ClickException(str(exc)) from None
+    with machine_output(as_json) as emit:
+        try:
+            result = run_dry_run(obj.config, folder, steps=steps or DEFAULT_STEPS,
+                                 join_cluster=runs_as_ray_job(os.environ), log=click.echo)
+        except CPUModeError as exc:
+            raise click.ClickException(str(exc)) from None
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
+        emit(result.to_dict())
         return
     click.echo(f"SkyRL dry run: {result.steps} GRPO steps in {result.seconds:.0f} s; folder {result.folder}")
     click.echo(f"MLflow run:  {result.run_url}")
