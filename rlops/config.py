@@ -213,6 +213,10 @@ class ServingConfig(_Section):
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     max_image_pixels: int = Field(4096 * 4096, ge=1, description="width x height cap of a request image, read from "
                                   "its PNG/JPEG header before anything decodes it")
+    max_n: int = Field(4, ge=1, description="most sequences (`n`, `best_of`) one request may ask for; keep it well "
+                       "below the engine's max_num_seqs so one call cannot take every decoding slot")
+    max_request_tokens: int = Field(16384, ge=1, description="most generated tokens one request may ask for: "
+                                    "sequences x max_tokens (a 400 names the parameter above it)")
     secrets_name: str = Field("rlops-serving", description="Kubernetes Secret that --print-config references")
 
     @model_validator(mode="before")

@@ -77,6 +77,8 @@ def ingress_settings(config: Config) -> dict[str, Any]:
         **routes_settings(config),
         "max_request_bytes": serving.max_request_bytes,
         "max_image_pixels": serving.max_image_pixels,
+        "max_n": serving.max_n,
+        "max_request_tokens": serving.max_request_tokens,
         "api_keys_env": serving.api_keys_env,
     }
 

@@ -30,7 +30,7 @@ from ray import serve
 from ray.serve.llm.ingress import OpenAiIngress
 from rlops.layout import ModelNameError, Resolution
 from serving.routes import RoutesSettings, internal_model_id, replica_routes_cache
-from serving.validation import RequestError, check_body
+from serving.validation import RequestError, RequestLimits, check_body
 
 # A child of Ray Serve's logger: replica logs with its request/replica context, at its level.
 log = logging.getLogger("ray.serve.rlops")
@@ -45,6 +45,8 @@ class IngressSettings(RoutesSettings):
 
     max_request_bytes: int = Field(gt=0)
     max_image_pixels: int = Field(gt=0)
+    max_n: int = Field(gt=0)
+    max_request_tokens: int = Field(gt=0)
     api_keys_env: str | None = None  # name of the env var with comma-separated keys; None = no auth
 
 
@@ -90,7 +92,7 @@ def check_api_key(authorization: str | None, digests: frozenset[str] | None) -> 
         raise ClientError(401, "Invalid API key.", code="invalid_api_key")
 
 
-def parse_request(raw: bytes, request_cls: type[BaseModel], max_image_pixels: int) -> Any:
+def parse_request(raw: bytes, request_cls: type[BaseModel], limits: RequestLimits) -> Any:
     """JSON body -> the OpenAI request model, or a 400 naming the first problem."""
     try:
         data = json.loads(raw)
@@ -101,7 +103,7 @@ def parse_request(raw: bytes, request_cls: type[BaseModel], max_image_pixels: in
     if not isinstance(data.get("model"), str):
         raise ClientError(400, "'model' is required and must be a string.", code="invalid_model_name", param="model")
     try:
-        check_body(data, chat="messages" in request_cls.model_fields, max_image_pixels=max_image_pixels)
+        check_body(data, chat="messages" in request_cls.model_fields, limits=limits)
     except RequestError as exc:
         raise ClientError(400, exc.message, code=exc.code, param=exc.param) from None
     try:
@@ -249,6 +251,11 @@ class AliasIngress(OpenAiIngress):
     def __init__(self, llm_deployments, model_cards, *, lora_paths=None, settings: Mapping[str, Any], **kwargs):
         super().__init__(llm_deployments, model_cards, lora_paths=lora_paths, **kwargs)
         self._settings = IngressSettings.model_validate(dict(settings))
+        self._limits = RequestLimits(self._settings.max_image_pixels, self._settings.max_n,
+                                     self._settings.max_request_tokens)
+        self._limits_card = {"max_n": self._limits.max_n, "max_request_tokens": self._limits.max_request_tokens,
+                             "max_image_pixels": self._limits.max_image_pixels,
+                             "max_request_bytes": self._settings.max_request_bytes}
         # The replica is an entry point: keys come from its environment (a Kubernetes secret in the cluster).
         self._api_keys = api_key_digests(os.environ, self._settings.api_keys_env)
         self._routes = replica_routes_cache(self._settings)
@@ -284,7 +291,8 @@ class AliasIngress(OpenAiIngress):
             resolution = resolve(self._routes.table, model)
         except ClientError as err:
             return err.response()
-        metadata: dict[str, Any] = {"kind": "base" if resolution.ref.model is None else "adapter"}
+        metadata: dict[str, Any] = {"kind": "base" if resolution.ref.model is None else "adapter",
+                                    "limits": self._limits_card}
         if resolution.ref.model is not None:
             metadata.update(registered_model=resolution.ref.model, alias=resolution.alias, version=resolution.version)
         card = {"id": model, "object": "model", "owned_by": "rlops", "permission": [], "metadata": metadata}
@@ -317,7 +325,7 @@ class AliasIngress(OpenAiIngress):
         resolution: Resolution | None = None
         try:
             check_api_key(request.headers.get("authorization"), self._api_keys)
-            body = parse_request(await self._read_body(request), request_cls, self._settings.max_image_pixels)
+            body = parse_request(await self._read_body(request), request_cls, self._limits)
             key = client_key(getattr(body, "user", None), request.headers.get(SESSION_HEADER),
                              request.headers.get("authorization"))
             resolution = resolve(self._routes.table, body.model, key)

@@ -1,19 +1,22 @@
 """What the ingress checks in a request body before the engine sees it (pure: no I/O, no Ray, no vLLM).
 
 vLLM's request models accept an empty `messages` list, any role, audio/file parts and `max_tokens: 0`, and
-then fail inside the engine (a 500); they also fetch image URLs and decode any image whole. These checks
-run on the parsed JSON, before the request model, and raise `RequestError` (the ingress answers a 400).
+then fail inside the engine (a 500); they also fetch image URLs and decode any image whole, and take any `n`.
+These checks run on the parsed JSON, before the request model, and raise `RequestError` (the ingress
+answers a 400).
 """
 from __future__ import annotations
 
 import base64
 import binascii
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 TEXT_PART, IMAGE_PART = "text", "image_url"
 TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
+FAN_OUT_FIELDS = ("n", "best_of")  # sequences generated per request (`best_of`: completions only)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 JPEG_SOI = b"\xff\xd8"
 # JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic): they carry the frame's size.
@@ -28,14 +31,50 @@ class RequestError(ValueError):
         self.message, self.param, self.code = message, param, code
 
 
-def check_body(data: dict[str, Any], *, chat: bool, max_image_pixels: int) -> None:
-    """Raise RequestError for the first mistake vLLM would not answer with a 4xx itself."""
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of the engine: image size, choices (`n`, `best_of`) and the token budget
+    (choices x `max_tokens`), so that one call cannot hold the engine for long."""
+
+    max_image_pixels: int
+    max_n: int
+    max_request_tokens: int
+
+
+def check_body(data: dict[str, Any], *, chat: bool, limits: RequestLimits) -> None:
+    """Raise RequestError for the first mistake vLLM would not answer with a 4xx itself, or a request above
+    the limits."""
     for name in TOKEN_LIMIT_FIELDS:
         value = data.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+        if _is_int(value) and value < 1:
             raise RequestError(f"'{name}' must be at least 1, got {value}.", param=name, code="invalid_value")
+    check_fan_out(data, limits)
     if chat:
-        check_messages(data.get("messages"), max_image_pixels)
+        check_messages(data.get("messages"), limits.max_image_pixels)
+
+
+def check_fan_out(data: dict[str, Any], limits: RequestLimits) -> None:
+    """`n` and `best_of` at most `max_n`; choices x the requested token cap at most `max_request_tokens`. A
+    request without a token cap is bounded by the engine's context length (and by `max_n`)."""
+    choices = 1
+    for name in FAN_OUT_FIELDS:
+        value = data.get(name)
+        if not _is_int(value):
+            continue  # absent, or a wrong type vLLM's request model names itself
+        if value > limits.max_n:
+            raise RequestError(f"'{name}' is {value}; this endpoint generates at most {limits.max_n} sequences "
+                               f"per request.", param=name, code="invalid_value")
+        choices = max(choices, value)
+    for name in TOKEN_LIMIT_FIELDS:
+        tokens = data.get(name)
+        if _is_int(tokens) and choices * tokens > limits.max_request_tokens:
+            raise RequestError(f"{choices} sequence(s) x '{name}' {tokens} = {choices * tokens} tokens; this "
+                               f"endpoint allows at most {limits.max_request_tokens} generated tokens per request "
+                               f"(lower '{name}' or 'n').", param=name, code="token_budget_exceeded")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_messages(messages: Any, max_image_pixels: int) -> None:

@@ -403,6 +403,25 @@ def test_bad_chat_input_is_a_specific_400(served: ServedApp):
                              "max_tokens": 1})
         assert ok.status_code == 200, ok.text
 
+        # One request cannot buy unbounded engine time: `n` and choices x max_tokens are capped (issue 39).
+        limits = http.get(f"{served.url}/v1/models/{served.name()}").json()["metadata"]["limits"]
+        max_n, budget = served.config.serving.max_n, served.config.serving.max_request_tokens
+        assert (limits["max_n"], limits["max_request_tokens"]) == (max_n, budget)
+        for extra, param, code in (({"n": max_n + 1, "max_tokens": 1}, "n", "invalid_value"),
+                                   ({"n": max_n, "max_tokens": budget // max_n + 1}, "max_tokens", "token_budget_exceeded"),
+                                   ({"max_completion_tokens": budget + 1}, "max_completion_tokens", "token_budget_exceeded")):
+            r = http.post(f"{served.url}/v1/chat/completions",
+                          json={"model": served.name(), "messages": chat_messages(False), **extra})
+            error = assert_openai_error(r)
+            assert r.status_code == 400 and (error["param"], error["code"]) == (param, code), r.text
+        r = http.post(f"{served.url}/v1/completions",
+                      json={"model": served.name(), "prompt": "move", "best_of": max_n + 1, "max_tokens": 1})
+        assert r.status_code == 400 and assert_openai_error(r)["param"] == "best_of"
+        at_cap = http.post(f"{served.url}/v1/chat/completions",
+                           json={"model": served.name(), "messages": chat_messages(False), "n": max_n, "max_tokens": 2,
+                                 "temperature": 1.0})
+        assert at_cap.status_code == 200 and len(at_cap.json()["choices"]) == max_n, at_cap.text
+
 
 def test_fuzzed_chat_bodies_get_no_5xx_and_openai_shaped_errors(served: ServedApp):
     """Property test: >= 500 generated chat bodies (bad types, sizes, roles, content parts, images, sampling

@@ -18,6 +18,7 @@ from serving.ingress import (
     version_headers,
 )
 from serving.routes import RoutesCache, RoutesTable, hot_adapter_ids, internal_model_id, parse_list_page, plan_refresh
+from serving.validation import RequestLimits
 
 BASE = "visgym-qwen3vl"
 
@@ -174,9 +175,10 @@ def test_request_parsing_gives_openai_400s():
     for raw, needle in ((b"{", "not valid JSON"), (b"[]", "JSON object"), (b'{"messages": []}', "'model' is required"),
                         (b'{"model": "m", "messages": 3}', "must be a list"), (b'{"model": "m", "messages": [], "n": "x"}', "is empty")):
         with pytest.raises(ClientError) as info:
-            parse_request(raw, ChatCompletionRequest, 1024)
+            parse_request(raw, ChatCompletionRequest, RequestLimits(1024, 4, 1024))
         assert info.value.status == 400 and needle in info.value.message
-    body = parse_request(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}', ChatCompletionRequest, 1024)
+    body = parse_request(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}', ChatCompletionRequest,
+                         RequestLimits(1024, 4, 1024))
     assert body.model == "m"
 
 

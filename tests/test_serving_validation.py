@@ -10,9 +10,10 @@ import zlib
 import pytest
 
 from serving.ingress import ClientError, parse_request
-from serving.validation import Base64Bytes, RequestError, check_body, image_size
+from serving.validation import Base64Bytes, RequestError, RequestLimits, check_body, image_size
 
 PIXELS = 64 * 64
+LIMITS = RequestLimits(max_image_pixels=PIXELS, max_n=4, max_request_tokens=64)
 
 
 def png(width: int, height: int) -> bytes:
@@ -50,7 +51,7 @@ def image(url: str) -> dict:
 
 def refusal(data: dict) -> RequestError:
     with pytest.raises(RequestError) as info:
-        check_body(data, chat=True, max_image_pixels=PIXELS)
+        check_body(data, chat=True, limits=LIMITS)
     return info.value
 
 
@@ -70,7 +71,7 @@ def test_oversized_image_is_refused_from_its_header_alone():
     assert error.code == "image_too_large" and "100000x100000" in error.message
     assert error.param == "messages[0].content[0].image_url"
     check_body(chat(user(image(data_url(png(64, 64))), {"type": "text", "text": "x"})), chat=True,
-               max_image_pixels=PIXELS)
+               limits=LIMITS)
     assert refusal(chat(user(image(data_url(jpeg(65, 64), "image/jpeg"))))).code == "image_too_large"
 
 
@@ -105,19 +106,40 @@ def test_bad_chat_bodies_are_refused_with_a_specific_message(data, code, needle)
 def test_good_bodies_pass():
     check_body(chat({"role": "system", "content": "be brief"}, user({"type": "text", "text": "x"}),
                     {"role": "assistant", "content": None, "tool_calls": []}, {"role": "tool", "content": "ok"},
-                    max_tokens=1), chat=True, max_image_pixels=PIXELS)
-    check_body({"model": "m", "prompt": "x", "max_tokens": 4}, chat=False, max_image_pixels=PIXELS)
+                    max_tokens=1), chat=True, limits=LIMITS)
+    check_body({"model": "m", "prompt": "x", "max_tokens": 4}, chat=False, limits=LIMITS)
     with pytest.raises(RequestError):
-        check_body({"model": "m", "prompt": "x", "max_tokens": 0}, chat=False, max_image_pixels=PIXELS)
+        check_body({"model": "m", "prompt": "x", "max_tokens": 0}, chat=False, limits=LIMITS)
+
+
+@pytest.mark.parametrize("extra, param, code", [
+    ({"n": 5}, "n", "invalid_value"),
+    ({"best_of": 5, "max_tokens": 1}, "best_of", "invalid_value"),
+    ({"n": 4, "max_tokens": 17}, "max_tokens", "token_budget_exceeded"),
+    ({"n": 2, "max_completion_tokens": 33}, "max_completion_tokens", "token_budget_exceeded"),
+    ({"max_tokens": 65}, "max_tokens", "token_budget_exceeded"),
+])
+def test_fan_out_and_token_budget_above_the_limits_name_the_parameter(extra, param, code):
+    for data in (chat(user({"type": "text", "text": "x"}), **extra), {"model": "m", "prompt": "x", **extra}):
+        with pytest.raises(RequestError) as info:
+            check_body(data, chat="messages" in data, limits=LIMITS)
+        assert (info.value.param, info.value.code) == (param, code) and str(LIMITS.max_n if param in ("n", "best_of")
+                                                                            else LIMITS.max_request_tokens) in info.value.message
+
+
+def test_requests_at_the_limits_pass():
+    for extra in ({"n": 4, "max_tokens": 16}, {"n": 4}, {"best_of": 2, "n": 2, "max_tokens": 32}, {"max_tokens": 64},
+                  {"n": "x"}):  # a wrong type is vLLM's to name
+        check_body({"model": "m", "prompt": "x", **extra}, chat=False, limits=LIMITS)
 
 
 def test_parse_request_answers_refusals_as_openai_400s():
     from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
 
     with pytest.raises(ClientError) as info:
-        parse_request(json.dumps(chat()).encode(), ChatCompletionRequest, PIXELS)
+        parse_request(json.dumps(chat()).encode(), ChatCompletionRequest, LIMITS)
     assert (info.value.status, info.value.param, info.value.code) == (400, "messages", "empty_array")
-    body = parse_request(json.dumps(chat(user(image(data_url(png(8, 8)))))).encode(), ChatCompletionRequest, PIXELS)
+    body = parse_request(json.dumps(chat(user(image(data_url(png(8, 8)))))).encode(), ChatCompletionRequest, LIMITS)
     assert body.model == "m"
     # A completions body has no messages: only its token limit is checked.
-    assert parse_request(b'{"model": "m", "prompt": "x", "max_tokens": 2}', CompletionRequest, PIXELS).max_tokens == 2
+    assert parse_request(b'{"model": "m", "prompt": "x", "max_tokens": 2}', CompletionRequest, LIMITS).max_tokens == 2
