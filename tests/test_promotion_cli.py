@@ -262,7 +262,8 @@ def test_every_json_output_is_one_document_on_stdout(stack, test_config, version
     answers = [
         (model, "--version", str(v1), "--to", "production"),
         (model, "--version", str(v2), "--to", "production", "--dry-run"),
-        ("canary", model, "--version", str(v2), "--weight", "10"),
+        (model, "--version", str(v2), "--to", "production"),
+        ("canary", model, "--version", str(v1), "--weight", "10"),
         ("canary", model, "--abort"),
         ("history", model),
         ("rollback", model, "--dry-run"),
@@ -270,9 +271,9 @@ def test_every_json_output_is_one_document_on_stdout(stack, test_config, version
         ("list", model),
         ("status",),
         ("gc", "--dry-run"),
-        ("retire", model, "--dry-run"),
     ]
     errors = [
+        ("retire", model, "--dry-run"),  # still in registry.models
         ("verify", model, "--endpoint", "http://127.0.0.1:9"),  # nothing serves there
         (model, "--version", "99", "--to", "production"),  # an unknown version
     ]
