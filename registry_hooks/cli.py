@@ -284,16 +284,16 @@ def rollback_command(ctx, model, alias, reason, wait, wait_timeout, dry_run, as_
 
 @main.command("sync")
 @click.argument("model", required=False)
-@reason_option
 @json_option
 @click.pass_context
-def sync_command(ctx, model, reason, as_json) -> None:
-    """Make serving match the registry now, for MODEL or every configured model."""
+def sync_command(ctx, model, as_json) -> None:
+    """Make serving match the registry now, for MODEL or every configured model (the history credits each
+    move to whoever made it: this command only publishes)."""
     config = _config(ctx, as_json)
     reports = []
     with handled(as_json):
         for name in [model] if model else config.registry.models:
-            reports.append(sync_model(config, name, trigger="cli", actor=actor(config), reason=reason))
+            reports.append(sync_model(config, name, trigger="cli"))
     if as_json:
         click.echo(json.dumps({"reports": [r.to_dict() for r in reports]}, indent=2))
         return

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Callable
+
+from mlflow.exceptions import MlflowException
 
 from registry_hooks import registry, storage
 from registry_hooks.adapter import InvalidAdapter
@@ -14,8 +17,8 @@ from registry_hooks.plan import drift, parse_time, referenced_folders, rollback_
 from registry_hooks.reconcile import ManifestCache, ModelState, read_states
 from registry_hooks.sync import NotFound, Promoter, PromotionError, Refused, SyncConflict, SyncReport
 from rlops.config import Config
-from rlops.layout import (TAG_FORCE, TAG_METRIC_KEY, TAG_METRIC_VALUE, Collected, RoutesManifest, canary_alias,
-                          is_valid_alias, is_valid_name, utc_now, version_folder)
+from rlops.layout import (TAG_FORCE, TAG_METRIC_KEY, TAG_METRIC_VALUE, Collected, MoveNote, RoutesManifest,
+                          canary_alias, is_valid_alias, is_valid_name, utc_now, version_folder)
 
 RECONCILER_STATUS = "reconciler"
 log = logging.getLogger(__name__)
@@ -171,16 +174,34 @@ def _move_alias(promoter: Promoter, model: str, alias: str, version: int, *, tri
                           copy_mode=promoter.last_mode, warnings=["dry run: nothing was copied or changed"])
     if override:
         registry.set_tags(promoter.mlflow, model, version, {TAG_FORCE: f"{actor or 'unknown'} at {utc_now()}: {override}"})
+    key = alias if set_intent is None else canary_alias(alias)  # set_intent is the canary's
+    note = _note_move(promoter, model, key, version, trigger=trigger, actor=actor, reason=reason)
     if set_intent is None:
         registry.set_alias(promoter.mlflow, model, alias, version)
     else:
         set_intent()
-    report = promoter.sync(model, trigger=trigger, actor=actor, reason=reason)
+    report = promoter.sync(model, trigger=trigger)
+    _forget_move(promoter, model, key, note, report)
     served = report.canaries.get(alias, {}).get("version") if set_intent else report.served.get(alias)
     if served != version:
         report.warnings.append(f"{alias} now serves v{report.served.get(alias)}"
                                + (f" with canary v{served}" if served else "") + ": the registry was changed meanwhile")
     return report
+
+
+def _note_move(promoter: Promoter, model: str, key: str, version: int | None, *, trigger: str, actor: str | None,
+               reason: str | None) -> MoveNote:
+    """Who moves `key`, on the registry before it changes: every publisher of the move records this author."""
+    note = MoveNote(move_id=uuid.uuid4().hex, version=version, trigger=trigger, actor=actor, reason=reason)
+    registry.note_move(promoter.mlflow, model, key, note)
+    return note
+
+
+def _forget_move(promoter: Promoter, model: str, key: str, note: MoveNote, report: SyncReport) -> None:
+    try:
+        registry.forget_move(promoter.mlflow, model, key, note.move_id)
+    except MlflowException as exc:  # the move is published; a stale note only names this move's version
+        report.warnings.append(f"move note rlops.move.{key} not removed: {exc.message}")
 
 
 def canary(config: Config, model: str, *, alias: str | None = None, version: int | None = None,
@@ -210,13 +231,16 @@ def canary(config: Config, model: str, *, alias: str | None = None, version: int
         if abort:
             if dry_run:
                 return SyncReport(model=model, trigger=trigger, warnings=[f"dry run: would drop canary v{candidate}"])
+            note = _note_move(promoter, model, canary_alias(alias), None, trigger=trigger, actor=actor, reason=reason)
             registry.clear_canary(promoter.mlflow, model, alias)
-            return promoter.sync(model, trigger=trigger, actor=actor, reason=reason)
+            report = promoter.sync(model, trigger=trigger)
+            _forget_move(promoter, model, canary_alias(alias), note, report)
+            return report
         report = promote(config, model, to_alias=alias, version=candidate, force=force, trigger=trigger, actor=actor,
                          reason=reason, dry_run=dry_run, progress=progress, gate=gate)
         if not dry_run:
             registry.clear_canary(promoter.mlflow, model, alias)
-            figures, report = report.verify, promoter.sync(model, trigger=trigger, actor=actor, reason=reason)
+            figures, report = report.verify, promoter.sync(model, trigger=trigger)
             report.verify = figures
         return report
     if weight is None or not 0 < weight < 100:

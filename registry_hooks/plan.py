@@ -9,7 +9,9 @@ from rlops.layout import (
     CANARY_SUFFIX,
     AliasRoute,
     CanaryRoute,
+    REGISTRY_ACTOR,
     HistoryEntry,
+    MoveNote,
     Refusal,
     RefusalKind,
     RoutesManifest,
@@ -23,9 +25,11 @@ class Intent(dict):
     `weights`: alias -> its canary's percent (the rlops.canary_weight.<alias> tags). Equal only with the
     same weights, so a reweighted canary is a change."""
 
-    def __init__(self, targets: Mapping[str, int] = (), weights: Mapping[str, float] | None = None):
+    def __init__(self, targets: Mapping[str, int] = (), weights: Mapping[str, float] | None = None,
+                 notes: Mapping[str, MoveNote] | None = None):
         super().__init__(targets)
         self.weights = dict(weights or {})
+        self.notes = dict(notes or {})  # key -> who moves it (the rlops.move.<key> tags); not part of equality
 
     def __eq__(self, other) -> bool:
         return dict.__eq__(self, other) and self.weights == getattr(other, "weights", {})
@@ -72,8 +76,6 @@ def next_manifest(
     history_limit: int,
     held: Mapping[str, tuple[RefusalKind, str]] | None = None,
     owner: str | None = None,
-    actor: str | None = None,
-    reason: str | None = None,
 ) -> RoutesManifest:
     """The manifest that serves `intent`, or `old` itself when nothing changes (no generation bump).
 
@@ -82,15 +84,23 @@ def next_manifest(
     alias keeps its previous target (if any) and records the refusal; an alias missing from `intent` is
     dropped (its route answers "alias not set"; history keeps it). A version published again leaves
     `collected`. `owner` (None: keep old's) is recorded. A canary (see canary_targets) is published beside
-    its alias's target, refused like an alias (keeping the canary it had); `actor` and `reason` go into the
-    history entries of this publication.
+    its alias's target, refused like an alias (keeping the canary it had). Each history entry names the
+    move's author from the intent's MoveNote for that key when the note names this change, else the
+    registry (a move in the MLflow UI or by a plain client), with `trigger` (the publisher) as its trigger.
+    (Entries keep their schema-2 fields: serving replicas of the release before read the same manifest.)
     """
     held = held or {}
     aliases: dict[str, AliasRoute] = {}
     canaries: dict[str, CanaryRoute] = {}
     refused: dict[str, Refusal] = {}
     history = list(old.history)
-    said = {"trigger": trigger, "at": now, "actor": actor, "reason": reason}
+    notes: Mapping[str, MoveNote] = getattr(intent, "notes", {})
+
+    def said(key: str, version: int | None) -> dict:
+        note = notes.get(key)
+        if note is not None and note.version == version:
+            return {"trigger": note.trigger, "actor": note.actor, "reason": note.reason, "at": now}
+        return {"trigger": trigger, "actor": REGISTRY_ACTOR, "at": now}
 
     def target(key: str, version: int, current: AliasRoute | None) -> AliasRoute | None:
         """The route `key` publishes: current if unchanged or refused (recorded), else the prepared one."""
@@ -119,7 +129,7 @@ def next_manifest(
             was_canary = old.canaries.get(alias)
             event = "canary_promoted" if was_canary is not None and was_canary.version == version else "move"
             history.append(HistoryEntry(alias=alias, version=version, event=event,
-                                        from_version=current.version if current else None, **said))
+                                        from_version=current.version if current else None, **said(alias, version)))
     for alias, (version, weight) in sorted(canary_targets(intent).items()):
         current = old.canaries.get(alias)
         baseline = aliases.get(alias)
@@ -132,11 +142,11 @@ def next_manifest(
         canaries[alias] = canary
         if canary is not current:
             history.append(HistoryEntry(alias=alias, version=version, event="canary", weight=weight,
-                                        from_version=baseline.version, **said))
+                                        from_version=baseline.version, **said(canary_alias(alias), version)))
     for alias, gone in sorted(old.canaries.items()):
         if alias not in canaries and (alias not in aliases or aliases[alias].version != gone.version):
             history.append(HistoryEntry(alias=alias, version=gone.version, event="canary_aborted", weight=0,
-                                        from_version=gone.version, **said))
+                                        from_version=gone.version, **said(canary_alias(alias), None)))
     owner = owner or old.owner
     if aliases == old.aliases and canaries == old.canaries and refused == old.refused and owner == old.owner:
         return old

@@ -6,13 +6,15 @@ from dataclasses import dataclass, field
 
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
+from pydantic import ValidationError
 
 from registry_hooks.adapter import InvalidAdapter
 from registry_hooks.plan import Intent
 from rlops.config import Config
-from rlops.layout import (CANARY_WEIGHT_TAG, TAG_BASE_MODEL, TAG_EVAL_SET, TAG_METRIC_KEY, TAG_METRIC_VALUE, TAG_SHA256,
-                          S3Location, canary_alias, parse_s3_uri)
+from rlops.layout import (CANARY_WEIGHT_TAG, MOVE_NOTE_TAG, TAG_BASE_MODEL, TAG_EVAL_SET, TAG_METRIC_KEY,
+                          TAG_METRIC_VALUE, TAG_SHA256, MoveNote, S3Location, canary_alias, parse_s3_uri)
 
+MOVE_REASON_LIMIT = 2000
 LEGACY_PRODUCTION_STAGE = "Production"
 LEGACY_PRODUCTION_ALIAS = "production"
 # Audit tags written on a version when it is published or refused.
@@ -83,7 +85,33 @@ def intent_of(registered, served_aliases: list[str]) -> Intent:
             intent[LEGACY_PRODUCTION_ALIAS] = max(staged)
     tags = registered.tags or {}
     weights = {a: w for a in served_aliases if (w := canary_weight(tags.get(CANARY_WEIGHT_TAG + a))) is not None}
-    return Intent(intent, weights)
+    notes = {key: note for key in keys if (note := move_note(tags.get(MOVE_NOTE_TAG + key))) is not None}
+    return Intent(intent, weights, notes)
+
+
+def move_note(value: str | None) -> MoveNote | None:
+    """A rlops.move.<key> tag's note; None when unset or not one (a hand-edited tag names no author)."""
+    if value is None:
+        return None
+    try:
+        return MoveNote.model_validate_json(value)
+    except ValidationError:
+        return None
+
+
+def note_move(client: MlflowClient, model: str, key: str, note: MoveNote) -> None:
+    """Say who moves `key` before the registry changes (a tag holds at most 5000 characters: the reason is cut)."""
+    if note.reason is not None and len(note.reason) > MOVE_REASON_LIMIT:
+        note = note.model_copy(update={"reason": note.reason[:MOVE_REASON_LIMIT]})
+    client.set_registered_model_tag(model, MOVE_NOTE_TAG + key, note.model_dump_json())
+
+
+def forget_move(client: MlflowClient, model: str, key: str, move_id: str) -> None:
+    """Drop the note once its move is published, unless another mover's note replaced it meanwhile (a later
+    move of the same key without a note must not be credited to this one)."""
+    current = move_note((client.get_registered_model(model).tags or {}).get(MOVE_NOTE_TAG + key))
+    if current is not None and current.move_id == move_id:
+        client.delete_registered_model_tag(model, MOVE_NOTE_TAG + key)
 
 
 def canary_weight(value: str | None) -> float | None:

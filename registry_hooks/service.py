@@ -22,7 +22,7 @@ from starlette.routing import Route
 from registry_hooks import registry, storage
 from registry_hooks.reconcile import ManifestCache, PassReport, run_pass
 from registry_hooks.operations import RECONCILER_STATUS
-from registry_hooks.subscriptions import WEBHOOK_PATH, HooksError, webhook_name
+from registry_hooks.subscriptions import WEBHOOK_PATH, HooksError
 from registry_hooks.sync import Promoter, SyncReport, sync_model
 from registry_hooks.webhook import (
     ALIAS_EVENTS,
@@ -57,12 +57,12 @@ class Metrics:
 
 
 class Reconciler:
-    """Runs syncs on one worker thread; `request(model, trigger, actor)` queues (coalescing), `loop` re-queues
-    all. The actor in the history: the caller's (the webhook's signed origin), else `rlops-hooks/<trigger>`."""
+    """Runs syncs on one worker thread; `request(model, trigger)` queues (coalescing), `loop` re-queues all.
+    The trigger is the publisher; the history names who moved each alias from the registry (plan.next_manifest)."""
 
     def __init__(self, config: Config, metrics: Metrics, sync: Callable[..., SyncReport] = sync_model):
         self.config, self.metrics, self._sync = config, metrics, sync
-        self._pending: dict[str, tuple[str, str | None]] = {}  # model -> (trigger, actor)
+        self._pending: dict[str, str] = {}  # model -> trigger
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -94,9 +94,9 @@ class Reconciler:
     def alive(self) -> bool:
         return all(t.is_alive() for t in self._threads)
 
-    def request(self, model: str, trigger: str, actor: str | None = None) -> None:
+    def request(self, model: str, trigger: str) -> None:
         with self._wake:
-            self._pending.setdefault(model, (trigger, actor))
+            self._pending.setdefault(model, trigger)
             self._wake.notify()
 
     def _loop(self) -> None:
@@ -131,15 +131,15 @@ class Reconciler:
                     self._wake.wait()
                 if self._stop.is_set():
                     return
-                model, (trigger, actor) = next(iter(self._pending.items()))
+                model, trigger = next(iter(self._pending.items()))
                 del self._pending[model]
-            self._run(model, trigger, actor)
+            self._run(model, trigger)
 
-    def _run(self, model: str, trigger: str, actor: str | None = None) -> bool:
+    def _run(self, model: str, trigger: str) -> bool:
         started = time.monotonic()
         ok = True
         try:
-            self._sync(self.config, model, trigger=trigger, actor=actor or f"rlops-hooks/{trigger}")
+            self._sync(self.config, model, trigger=trigger)
             self.metrics.syncs.labels(trigger, "ok").inc()
             self.last_ok_at, self.last_error = utc_now(), None
         except Exception as exc:  # noqa: BLE001 - an outage must not kill the loop; it is reported instead
@@ -172,9 +172,6 @@ def create_app(config: Config, reconciler: Reconciler, metrics: Metrics, clock: 
                          "register` gives MLflow), or set hooks.webhook_enabled: false")
     seen = SeenDeliveries(config.hooks.timestamp_tolerance_s)
     served = set(config.registry.models)
-    # Only the MLflow webhook holding hooks.secret can sign a delivery: that webhook is the move's origin
-    # (MLflow's payload does not say which user set the alias).
-    origin = f"webhook:{webhook_name(config)}"
 
     async def webhook(request: Request) -> Response:
         if not config.hooks.webhook_enabled:
@@ -193,7 +190,7 @@ def create_app(config: Config, reconciler: Reconciler, metrics: Metrics, clock: 
         if delivery.event not in ALIAS_EVENTS or delivery.model not in served:
             metrics.deliveries.labels("ignored").inc()
             return JSONResponse({"status": "ignored"})
-        reconciler.request(delivery.model, "webhook", origin)
+        reconciler.request(delivery.model, "webhook")
         metrics.deliveries.labels("accepted").inc()
         return JSONResponse({"status": "queued"}, status_code=202)
 

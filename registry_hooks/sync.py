@@ -46,6 +46,7 @@ from rlops.config import Config, artifacts_s3_client_kwargs, s3_client_kwargs
 from rlops.layout import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    REGISTRY_ACTOR,
     AliasRoute,
     RoutesManifest,
     S3Location,
@@ -361,8 +362,9 @@ class Promoter:
 
     # ------------------------------------------------------------------------------------ whole model
 
-    def sync(self, model: str, *, trigger: str, actor: str | None = None, reason: str | None = None) -> SyncReport:
-        """`actor` and `reason` go into the history entries of what this sync publishes."""
+    def sync(self, model: str, *, trigger: str) -> SyncReport:
+        """Publish the model's registry intent. `trigger` names this publisher; who moved each alias comes
+        from the registry's move notes (plan.next_manifest)."""
         self.check_model(model)
         started = time.monotonic()
         report = SyncReport(model=model, trigger=trigger)
@@ -409,7 +411,7 @@ class Promoter:
                 continue  # the registry moved while we copied: prepare the new targets
             new = next_manifest(manifest, intent, prepared, refusals, trigger=trigger, now=utc_now(),
                                 history_limit=self.config.registry.history_limit, held=held,
-                                owner=self.config.registry_owner, actor=actor, reason=reason)
+                                owner=self.config.registry_owner)
             if any(self._may_be_collected(model, r.version) for r in newly_promoted(manifest, new).values()):
                 prepared.clear()  # a folder vanished after we verified it (gc): copy again before naming it
                 continue
@@ -420,7 +422,7 @@ class Promoter:
                     continue
                 report.seconds_to_publish = round(time.monotonic() - started, 3)
             self._fill_report(report, manifest, new, intent)
-            self._audit(model, manifest, new, refusals, new_refusals, actor, trigger, report)
+            self._audit(model, manifest, new, refusals, new_refusals, report)
             report.seconds = round(time.monotonic() - started, 3)
             return report
         raise SyncConflict(f"sync of {model!r} did not converge after {MAX_ROUNDS} rounds: the alias kept moving "
@@ -437,13 +439,15 @@ class Promoter:
         report.copy_mode = self.last_mode
         report.bytes_copied = self.bytes_copied
 
-    def _audit(self, model, old, new, refusals, new_refusals, actor, trigger, report) -> None:
+    def _audit(self, model, old, new, refusals, new_refusals, report) -> None:
         """Version tags are the audit trail; the manifest is already published, so failures only warn."""
         try:
             for alias, route in newly_promoted(old, new).items():
+                # the entry this publication added for it (the newest of that alias and version)
+                entry = next(h for h in reversed(new.history) if h.alias == alias and h.version == route.version)
                 registry.set_tags(self.mlflow, model, route.version, {
                     registry.FOLDER_TAG: route.folder, registry.PROMOTED_AT_TAG: route.promoted_at,
-                    registry.PROMOTED_BY_TAG: actor or f"rlops-{trigger}", registry.TRIGGER_TAG: trigger,
+                    registry.PROMOTED_BY_TAG: entry.actor or REGISTRY_ACTOR, registry.TRIGGER_TAG: entry.trigger,
                 })
             moved = {r.version for r in [*old.aliases.values(), *new.aliases.values()]}
             for version in sorted(v for v in moved if served_aliases(old, v) != served_aliases(new, v)):
@@ -460,8 +464,7 @@ class Promoter:
             report.warnings.append(f"audit tags not written: {exc}")
 
 
-def sync_model(config: Config, model: str, *, trigger: str, actor: str | None = None,
-               reason: str | None = None) -> SyncReport:
+def sync_model(config: Config, model: str, *, trigger: str) -> SyncReport:
     """Make `_routes/<model>.json` serve the model's registry aliases (idempotent; safe to run concurrently)."""
-    return Promoter(config).sync(model, trigger=trigger, actor=actor, reason=reason)
+    return Promoter(config).sync(model, trigger=trigger)
 

@@ -50,6 +50,8 @@ ALLOWED_SUFFIXES = (".safetensors", ".json")
 SCHEMA_VERSION = 2  # 2: canaries, history entries with from/weight/actor/reason, previews (1 is still read)
 CANARY_SUFFIX = "-canary"  # the registry alias `<alias>-canary` names the alias's canary version
 CANARY_WEIGHT_TAG = "rlops.canary_weight."  # + alias, on the registered model: the canary's share in percent
+MOVE_NOTE_TAG = "rlops.move."  # + alias or <alias>-canary, on the registered model: who moves it (a MoveNote)
+REGISTRY_ACTOR = "registry"  # the author of a move that carries no MoveNote (the MLflow UI, a plain client)
 
 
 # ------------------------------------------------------------------------------------------ name grammar
@@ -193,6 +195,18 @@ class CanaryRoute(AliasRoute):
     """A second target of an alias: `weight` percent of its clients (by identity hash) get this version."""
 
     weight: float = Field(gt=0, lt=100)
+
+
+class MoveNote(_Strict):
+    """Who moves an alias (or ends a canary: `version` None), written on the registered model before the
+    registry changes, so that whichever publisher sees the change (the mover's own sync, the webhook, the
+    reconciler) records the same author, trigger, reason and move id."""
+
+    move_id: str
+    version: int | None = Field(None, ge=1)
+    trigger: str
+    actor: str | None = None
+    reason: str | None = None
 
 
 class HistoryEntry(_Strict):

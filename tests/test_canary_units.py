@@ -8,7 +8,7 @@ import pytest
 
 from registry_hooks.operations import endpoint_serves
 from registry_hooks.plan import Intent, drift, needs_sync, next_manifest, rollback_target
-from rlops.layout import AliasRoute, RoutesManifest, canary_bucket, parse_model_name, resolve_model_name
+from rlops.layout import AliasRoute, MoveNote, RoutesManifest, canary_bucket, parse_model_name, resolve_model_name
 from serving.ingress import client_key
 
 
@@ -38,7 +38,8 @@ def test_a_version_1_manifest_is_still_read_and_written_back_as_2():
 
 def test_canary_start_reweight_promote_abort_and_history():
     m = plan(RoutesManifest(model="m"), Intent({"production": 1}), "t1")
-    m = plan(m, Intent({"production": 1, "production-canary": 2}, {"production": 10}), "t2", actor="ana", reason="try")
+    ana = {"production-canary": MoveNote(move_id="m2", version=2, trigger="cli", actor="ana", reason="try")}
+    m = plan(m, Intent({"production": 1, "production-canary": 2}, {"production": 10}, ana), "t2")
     assert m.aliases["production"].version == 1 and (m.canaries["production"].version, m.canaries["production"].weight) == (2, 10)
     assert 2 in m.published_versions()  # @v2 addresses the canary alone
     assert plan(m, Intent({"production": 1, "production-canary": 2}, {"production": 10}), "t3") is m
@@ -48,12 +49,27 @@ def test_canary_start_reweight_promote_abort_and_history():
     promoted = plan(m, Intent({"production": 2, "production-canary": 2}, {"production": 25}), "t4")
     assert promoted.aliases["production"].version == 2 and promoted.canaries == {}
     assert rollback_target(promoted, "production") == 1  # canary entries are not targets to roll back to
-    aborted = plan(m, Intent({"production": 1}), "t4", trigger="watcher", reason="error rate")
+    watcher = {"production-canary": MoveNote(move_id="m4", version=None, trigger="watcher", actor="w", reason="error rate")}
+    aborted = plan(m, Intent({"production": 1}, notes=watcher), "t4", trigger="reconciler")
     assert aborted.canaries == {} and aborted.aliases["production"].version == 1
-    events = [(h.event, h.version, h.from_version, h.weight, h.actor, h.reason) for h in aborted.history]
-    assert events == [("move", 1, None, None, None, None), ("canary", 2, 1, 10, "ana", "try"),
-                      ("canary", 2, 1, 25, None, None), ("canary_aborted", 2, 2, 0, None, "error rate")]
+    events = [(h.event, h.version, h.from_version, h.weight, h.trigger, h.actor, h.reason) for h in aborted.history]
+    assert events == [("move", 1, None, None, "cli", "registry", None), ("canary", 2, 1, 10, "cli", "ana", "try"),
+                      ("canary", 2, 1, 25, "cli", "registry", None),
+                      ("canary_aborted", 2, 2, 0, "watcher", "w", "error rate")]
     assert [h.event for h in promoted.history][-1] == "canary_promoted"
+
+
+def test_a_move_is_credited_to_its_note_only_when_the_note_names_that_change():
+    """Issue 40: the author comes from the registry's move note, whoever publishes; a note about another
+    version (a later move by hand, a stale note) credits the registry, never the note's author."""
+    cli = {"production": MoveNote(move_id="a", version=2, trigger="cli", actor="os:eve", reason="better")}
+    old = plan(RoutesManifest(model="m"), Intent({"production": 1}), "t1")
+    for publisher in ("cli", "webhook", "reconciler"):
+        new = plan(old, Intent({"production": 2}, notes=cli), "t2", trigger=publisher)
+        assert [(h.trigger, h.actor, h.reason) for h in new.history[1:]] == [("cli", "os:eve", "better")]
+    by_hand = plan(old, Intent({"production": 3}, notes=cli), "t2", trigger="webhook").history[-1]
+    assert (by_hand.version, by_hand.trigger, by_hand.actor, by_hand.reason) == (3, "webhook", "registry", None)
+    assert Intent({"production": 2}, notes=cli) == Intent({"production": 2})  # notes are not the intent
 
 
 def test_a_canary_nothing_can_serve_is_not_published_and_is_not_drift():

@@ -44,7 +44,7 @@ def test_sync_publishes_alias_as_verified_immutable_folder(stack, test_config, m
     assert [(h.alias, h.version) for h in manifest.history] == [("production", v1)]
     tags = mlflow_client.get_model_version(model, str(v1)).tags
     assert tags["serving.folder"] == route.folder and tags["serving.trigger"] == "test"
-    assert tags["serving.promoted_at"] == route.promoted_at and tags["serving.promoted_by"] == "rlops-test"
+    assert tags["serving.promoted_at"] == route.promoted_at and tags["serving.promoted_by"] == "registry"  # a plain-client move
 
     again = sync_model(test_config, model, trigger="test")  # idempotent: no rewrite, no generation bump
     assert not again.changed and again.generation == manifest.generation and again.bytes_copied == 0

@@ -2,6 +2,7 @@
 `MlflowClient.set_registered_model_alias` must reach serving within seconds, each path alone."""
 from __future__ import annotations
 
+import getpass
 import json
 import subprocess
 import sys
@@ -167,6 +168,39 @@ def test_dead_webhooks_are_reported_pruned_and_never_delay_the_live_one(stack, t
     started = time.monotonic()
     mlflow_client.set_registered_model_alias(model, "production", str(v2))
     assert wait_for(lambda: served(stack, cfg) == v2, 15) and time.monotonic() - started < 10
+
+
+def test_cli_moves_are_credited_to_their_author_whichever_publisher_wins(stack, test_config, mlflow_client,
+                                                                         hooks_service, version, tmp_path):
+    """Issue 40: the CLI's own sync, the webhook and the reconciler race to publish each `promote`; every
+    entry names the CLI user, trigger `cli` and the reason (one move, one entry), and a plain
+    MlflowClient's move is the registry's, never the webhook's."""
+    cfg, reconciler, metrics, url = hooks_service(reconcile_interval_s=0.3)
+    path = write_config(tmp_path / "mlflow.yaml", cfg.model_dump(exclude_none=True, exclude={"hooks": {"secret"}}))
+    runner = CliRunner()
+    env = {"RLOPS_HOOKS__SECRET": cfg.hooks.secret}
+    assert runner.invoke(rlops_cli, ["--config", str(path), "hooks", "register"], env=env).exit_code == 0
+    model = cfg.registry.models[0]
+    v1, v2 = version(1), version(2)
+    time.sleep(2.5)  # MLFLOW_WEBHOOK_CACHE_TTL of the embedded stack
+    moves = 8
+    for i in range(moves):
+        moved = runner.invoke(promote_cli, ["--config", str(path), model, "--version", str((v1, v2)[i % 2]),
+                                            "--to", "production", "--force", "--reason", f"move {i}"], env=env)
+        assert moved.exit_code == 0, moved.output
+    mlflow_client.set_registered_model_alias(model, "production", str(v1))
+    assert wait_for(lambda: served(stack, cfg) == v1, 15)
+    assert wait_for(lambda: sample(metrics, "rlops_hooks_deliveries_total", result="accepted") >= moves, 15)
+
+    entries = json.loads(runner.invoke(promote_cli, ["--config", str(path), "history", model, "--json"]).stdout)
+    actor = f"os:{getpass.getuser()}"
+    *by_cli, by_hand = entries
+    assert [(e["version"], e["trigger"], e["actor"], e["reason"]) for e in by_cli] == [
+        ((v1, v2)[i % 2], "cli", actor, f"move {i}") for i in range(moves)]
+    assert (by_hand["version"], by_hand["actor"], by_hand["reason"]) == (v1, "registry", None)
+    assert by_hand["trigger"] in ("webhook", "reconciler")  # the publisher that saw it first
+    tags = mlflow_client.get_registered_model(model).tags
+    assert not [key for key in tags if key.startswith("rlops.move.")]  # each note went once published
 
 
 def test_forged_stale_replayed_and_duplicate_deliveries(stack, test_config, mlflow_client, hooks_service, version):
@@ -362,10 +396,8 @@ def test_history_after_cli_webhook_and_watcher_moves_names_each_actor(stack, tes
                                                                      version, tmp_path):
     """`promote history` after a CLI move and canary, a move that reached serving through an HMAC-signed webhook
     delivery, and a watcher abort: each entry says its trigger and who moved (the CLI's OS user without tracking
-    auth, the webhook's signed origin, the watcher), with the reasons. The watcher reads its metrics from a
+    auth, `registry` for a plain client's move, the watcher), with the reasons. The watcher reads its metrics from a
     fixed Prometheus text here (the real scrape and breach are in test_serving_app)."""
-    import getpass
-
     from registry_hooks.watcher import CanaryWatcher
     from rlops.config import CanarySLO
 
@@ -406,7 +438,7 @@ def test_history_after_cli_webhook_and_watcher_moves_names_each_actor(stack, tes
     actor = f"os:{getpass.getuser()}"
     assert [(e["alias"], e["event"], e["version"], e["trigger"], e["actor"]) for e in entries] == [
         ("production", "move", v1, "cli", actor), ("production", "canary", v2, "cli", actor),
-        ("staging", "move", v2, "webhook", f"webhook:{webhook_name(cfg)}"),
+        ("staging", "move", v2, "webhook", "registry"),  # a plain MlflowClient's move, published by the webhook
         ("production", "canary_aborted", v2, "watcher", "rlops-hooks/watcher")]
     assert [e["reason"] for e in entries][:3] == ["first", "try v2", None] and "error rate 40.0%" in entries[3]["reason"]
     shown = cli("history", model, "--alias", "production")
