@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from registry_hooks import registry, storage
+from registry_hooks import storage
 from registry_hooks.reconcile import ManifestCache, PassReport, run_pass
 from registry_hooks.operations import RECONCILER_STATUS
 from registry_hooks.subscriptions import WEBHOOK_PATH, HooksError
