@@ -15,14 +15,17 @@ demo: $(STAMP)
 	$(VENV)/bin/rlops demo
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -x -q --durations=15
 
 # Order must not matter: the whole suite in a random order; SEED=N repeats one (the header prints it).
 SEED ?= $(shell python3 -c 'import random; print(random.randrange(10**6))')
 test-shuffled: $(STAMP)
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q --durations=15 --shuffle-seed=$(SEED)
 
 test-fast: $(STAMP)
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -m "not slow"
 
 clean:
