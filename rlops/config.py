@@ -245,11 +245,8 @@ class LocalTrainingConfig(_Section):
     ckpt_interval: int = Field(100, ge=1)
     num_generations: int = Field(8, ge=2)
     prompts_per_step: int = Field(4, ge=1)
-    # Chosen by the issue-22 sweep (bench/README.md): on the walk-SFT base the task reward at lr 1e-3 and
-    # temperature 0.5 lifted held-out greedy 0.21 -> 0.32 (p < 1e-4); the shaped reward collapsed there.
+    # learning_rate, lr_schedule, temperature, reward: the issue-22 sweep's pick (bench/README.md has its figures)
     learning_rate: float = Field(1e-3, gt=0)
-    # Cosine decay over `steps` (issue-22 sweep, bench/README.md): held-out +11..+16 points over 4 seeds where
-    # the flat rate gave +7..+13 and its late checkpoints swung by 8 points.
     lr_schedule: Literal["constant", "cosine", "linear"] = Field(
         "cosine", description="GRPO learning-rate schedule (transformers' name), spanning `steps`")
     beta: float = Field(0.0, ge=0, description="KL coefficient against the base")
@@ -261,9 +258,7 @@ class LocalTrainingConfig(_Section):
     max_completion_tokens: int = Field(20, ge=2)
     eval_samples: int = Field(4, ge=0, le=64, description="answers sampled per eval maze at `temperature`, logged as "
                               "`sampled_avg_score` beside greedy `avg_score`; 0 = greedy only")
-    # Tuned for the 4-head x 32 tiny base (bench/README.md): ~0.85 held-out greedy in ~2/3 of the time the
-    # 1800-step recipe of the old 4 x 16 base took (~90 s on 2 quiet cores);
-    # 900 steps gave ~0.69, and lr >= 1.5e-3 was worse and less stable across seeds.
+    # sft_steps, sft_learning_rate: tuned for the 4-head x 32 tiny base (bench/README.md, "Tiny base for vLLM")
     sft_steps: int = Field(1200, ge=0)
     sft_learning_rate: float = Field(7e-4, gt=0)
     sft_optimal_fraction: float = Field(0.0, ge=0, le=1, description="share of SFT targets that are BFS-optimal "
