@@ -25,7 +25,8 @@ from _results import record  # noqa: E402
 from rlops import stack  # noqa: E402
 from rlops.config import Config  # noqa: E402
 from rlops.processes import free_port  # noqa: E402
-from tracker.baseline import compare, outcomes  # noqa: E402
+from rlops.eval_table import outcomes  # noqa: E402
+from tracker.baseline import compare  # noqa: E402
 
 GOAL = "held-out greedy solve rate after GRPO >= before + 10 points with paired p < 0.01, 256 mazes"
 PNG = Path(__file__).with_name("local_training.png")

@@ -29,7 +29,7 @@ class ParityReport:
     tracked: float
     served: float
     mazes: int
-    differing: list[int] = field(default_factory=list)  # seeds whose solved/unsolved outcome differs
+    differing: list[str] = field(default_factory=list)  # ids (maze seeds) whose pass/fail outcome differs
 
     @property
     def matching(self) -> int:
@@ -41,13 +41,13 @@ class ParityReport:
                 "mazes": self.mazes, "matching": self.matching, "differing_seeds": self.differing}
 
 
-def compare(tracked: dict[int, bool], served: dict[int, bool]) -> list[int]:
-    """Seeds whose outcome differs (a seed missing on either side counts as differing)."""
-    return sorted(seed for seed in tracked.keys() | served.keys() if tracked.get(seed) != served.get(seed))
+def compare(tracked: dict[str, bool], served: dict[str, bool]) -> list[str]:
+    """Item ids whose outcome differs (an id missing on either side counts as differing)."""
+    return sorted(i for i in tracked.keys() | served.keys() if tracked.get(i) != served.get(i))
 
 
-def tracked_rows(client, run_id: str, data_source: str, step: int) -> dict[int, bool]:
-    """seed -> solved, from the tracker's per-maze table of `data_source` at `step`."""
+def tracked_rows(client, run_id: str, data_source: str, step: int) -> dict[str, bool]:
+    """id -> passed, from the tracker's eval table of `data_source` at `step`."""
     rows = eval_outcomes(client, run_id, data_source, step)
     if rows is None:
         raise NotFound(f"the run {run_id} has no eval table {table_artifact(data_source, step)}: the checkpoint "
@@ -85,7 +85,7 @@ def verify_served(config: Config, model: str, *, alias: str | None, version: int
     step = int(logged.tags[TAG_STEP])
     maze_set = ds.local_eval_set(config.training.local.eval_size)
     tracked = tracked_rows(client, logged.source_run_id, maze_set.data_source, step)
-    mazes = [m for m in maze_set.mazes() if m.seed in tracked]
+    mazes = [m for m in maze_set.mazes() if str(m.seed) in tracked]
     ask = _chat(endpoint, api_key)
     max_tokens = config.training.local.max_completion_tokens
 
@@ -96,7 +96,7 @@ def verify_served(config: Config, model: str, *, alias: str | None, version: int
     # one adapter fails ("already loaded", a 500), which is not the version's fault.
     with ThreadPoolExecutor(REQUEST_WORKERS) as pool:
         answers = [answer(m) for m in mazes[:1]] + list(pool.map(answer, mazes[1:]))
-    served = {m.seed: walk_answer(m, a).solved for m, a in zip(mazes, answers)}
+    served = {str(m.seed): walk_answer(m, a).solved for m, a in zip(mazes, answers)}
     report = ParityReport(model, version, served_name, maze_set.data_source,
                           tracked=sum(tracked.values()) / len(tracked), served=sum(served.values()) / len(served),
                           mazes=len(tracked), differing=compare(tracked, served))

@@ -163,10 +163,10 @@ def test_run_logs_everything_and_registers_best(test_config, tmp_path, mlflow_cl
         for step in range(1, 4):
             session.log_metrics({"policy/loss": 1.0 / step, "reward/avg_pass@8": step / 10}, step=step)
         session.log_checkpoint(adapters[0], step=2)
-        session.log_eval("maze_2d/local7", 0.25, [{"seed": 0, "solved": False, "steps": 15, "final_distance": 3}],
-                         step=2)
-        session.log_eval("maze_2d/local7", 0.75, [{"seed": 0, "solved": np.bool_(True), "steps": 7,
-                                                   "final_distance": np.float32(0)}],
+        session.log_eval("maze_2d/local7", 0.25, [{"id": 0, "passed": False, "score": 0.0,
+                                                   "extras": {"steps": 15, "final_distance": 3}}], step=2)
+        session.log_eval("maze_2d/local7", 0.75, [{"id": np.int64(0), "passed": np.bool_(True), "score": np.float32(1),
+                                                   "extras": {"steps": 7, "final_distance": np.float32(0)}}],
                          step=3)  # eval before its checkpoint: linked when the upload lands
         session.log_checkpoint(adapters[1], step=3)
         version = session.register_best()
@@ -196,8 +196,8 @@ def test_run_logs_everything_and_registers_best(test_config, tmp_path, mlflow_cl
     table_files = [f.path for f in mlflow_client.list_artifacts(session.run_id, "eval_tables/maze_2d/local7")]
     assert table_files == ["eval_tables/maze_2d/local7/step_000002.json", "eval_tables/maze_2d/local7/step_000003.json"]
     table = json.loads(open(mlflow_client.download_artifacts(session.run_id, table_files[1], str(tmp_path))).read())
-    assert table["columns"] == ["seed", "solved", "steps", "final_distance", "step"]
-    assert table["data"] == [[0, True, 7, 0, 3]]
+    assert table["columns"] == ["id", "passed", "score", "extras", "step"]
+    assert table["data"] == [["0", True, 1.0, {"steps": 7, "final_distance": 0.0}, 3]]
 
     assert version.name == test_config.registered_model and version.source == f"models:/{models[3].model_id}"
     assert version.tags == {"rlops.run_id": session.run_id, "rlops.step": "3", "rlops.metric_key": key,
@@ -227,7 +227,7 @@ def test_samples_land_as_a_table_with_images_and_evals_name_their_dataset(test_c
         groups = [{"group": g, "image": image, "completion": "left", "advantage": 0.0} for g in (0, 0, 1, 1)]
         assert session.log_samples(groups, step=3, kind="train") == 2
         assert session.log_samples(groups, step=4, kind="train") == 0  # between sample_train_every steps
-        session.log_eval("maze_2d/local7", 0.5, [{"seed": 0, "solved": True, "steps": 3, "final_distance": 0}], step=4)
+        session.log_eval("maze_2d/local7", 0.5, [{"id": 0, "passed": True, "score": 1.0}], step=4)
         with pytest.raises(ValueError, match="sample kind"):
             session.log_samples(rows, step=4, kind="other")
         time.sleep(2)  # a few system-metric samples
@@ -302,10 +302,12 @@ def test_inputs_are_validated_with_specific_messages(test_config, tmp_path):
                 log([("loss", 1.0)], step=1)
         with pytest.raises(TypeError, match="metrics must be a mapping of name -> number, got list"):
             session.log_eval("maze_2d/easy", 0.5, [], step=1, metrics=[("sampled_avg_score", 0.5)])
-        with pytest.raises(ValueError, match="solve_rate must be within"):
+        with pytest.raises(ValueError, match="score must be within"):
             session.log_eval("maze_2d/easy", 1.5, [], step=1)
-        with pytest.raises(ValueError, match="eval row 0 lacks final_distance"):
-            session.log_eval("maze_2d/easy", 0.5, [{"seed": 1, "solved": True, "steps": 3}], step=1)
+        with pytest.raises(ValueError, match="eval row 0 lacks score"):
+            session.log_eval("maze_2d/easy", 0.5, [{"id": 1, "passed": True, "extras": {}}], step=1)
+        with pytest.raises(TypeError, match="extras must be a dict"):
+            session.log_eval("maze_2d/easy", 0.5, [{"id": 1, "passed": True, "score": 1, "extras": [3]}], step=1)
         with pytest.raises(ValueError, match="lacks adapter_model.safetensors"):
             (tmp_path / "bad").mkdir()
             (tmp_path / "bad" / "adapter_config.json").write_text("{}")

@@ -10,7 +10,8 @@ import pytest
 
 from test_tracker_support import make_peft_adapter
 from tracker import RunSession
-from tracker.baseline import compare, outcomes
+from rlops.eval_table import outcomes, table_outcomes, table_rows
+from tracker.baseline import compare
 
 
 def test_discordant_mazes_decide_and_the_p_value_is_exact():
@@ -29,15 +30,22 @@ def test_discordant_mazes_decide_and_the_p_value_is_exact():
 
 
 def test_rows_of_a_logged_table_become_outcomes_and_other_sets_cannot_be_compared():
-    assert outcomes([{"seed": 3, "solved": True, "steps": 4}, {"seed": 5, "solved": 0}]) == {3: True, 5: False}
-    with pytest.raises(ValueError, match="share no maze"):
-        compare({1: True}, {2: True})
+    rows = table_rows([{"id": 3, "passed": True, "score": 1, "extras": {"steps": 4}},
+                       {"id": "b", "passed": 0, "score": 0.25}], step=2)
+    assert outcomes(rows) == {"3": True, "b": False}
+    # A maze table written before the generic contract (issue 29) reads as the same rows.
+    legacy = {"columns": ["seed", "solved", "steps", "final_distance", "step"],
+              "data": [[3, True, 4, 0, 2], [5, False, 9, 2, 2]]}
+    assert table_outcomes(legacy) == {"3": True, "5": False}
+    assert table_outcomes({"columns": list(rows[0]), "data": [list(r.values()) for r in rows]}) == {"3": True, "b": False}
+    with pytest.raises(ValueError, match="share no item"):
+        compare({"1": True}, {"2": True})
 
 
 # ---------------------------------------------------------------------------------- against MLflow
 
 def rows(solved: set[int]) -> list[dict]:
-    return [{"seed": s, "solved": s in solved, "steps": 4, "final_distance": 0 if s in solved else 2} for s in range(16)]
+    return [{"id": s, "passed": s in solved, "score": float(s in solved), "extras": {"steps": 4}} for s in range(16)]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +73,7 @@ def test_a_checkpoint_that_does_not_beat_the_base_registers_nothing_and_one_that
         version = session.register_best(source)
     assert version is not None and version.tags["rlops.step"] == "5" and session.registration_refused is None
     # the passed test is on the version (tag, description) and the run, as the refusal would have been
-    evidence = "base 0.375 vs best 0.812 (7 mazes gained, 0 lost, p=0.0078)"
+    evidence = "base 0.375 vs best 0.812 (7 items gained, 0 lost, p=0.0078)"
     assert session.registration_evidence == evidence
     registered = mlflow_client.get_model_version(test_config.registered_model, version.version)
     assert registered.tags["rlops.beat_base"] == evidence and evidence in registered.description

@@ -1,5 +1,5 @@
 """Eval linking: each eval point goes to MLflow linked to its step's checkpoint (LoggedModel), whether
-the checkpoint lands before or after the eval; and the per-maze eval table of that step.
+the checkpoint lands before or after the eval; and where that step's eval table goes (rlops.eval_table).
 
 `EvalLinks` keeps the links in `evals.jsonl` so a restart links evals logged before a crash, and a resumed
 run does not log a step's eval a second time. Records are `{"step", "points": [[key, value,
@@ -14,16 +14,13 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 from rlops.layout import EVAL_TABLE_DIR
 from tracker.naming import as_float, metric_key
 from tracker.spool import Point, append_whole, drop_torn_tail
 
 log = logging.getLogger(__name__)
-
-EVAL_ROW_KEYS = ("seed", "solved", "steps", "final_distance")
-
 
 def eval_source(key: str) -> str | None:
     """`eval/<data_source>/<metric>` -> data_source (None for other keys and SkyRL's `eval/all/*`)."""
@@ -54,23 +51,6 @@ def read_records(path: Path) -> list[dict]:
 def table_artifact(data_source: str, step: int) -> str:
     """Where a step's eval table goes among the run's artifacts."""
     return f"{EVAL_TABLE_DIR}/{data_source.strip('/')}/step_{step:06d}.json"
-
-
-def eval_table(rows: Any, step: int) -> list[dict[str, Any]]:
-    """The per-maze rows of an eval as table rows (plain Python values, the step added); raises naming the
-    first malformed row."""
-    if not isinstance(rows, list) or not all(isinstance(r, Mapping) for r in rows):
-        raise TypeError("rows must be a list of dicts with seed, solved, steps, final_distance")
-    for i, row in enumerate(rows):
-        missing = [k for k in EVAL_ROW_KEYS if k not in row]
-        if missing:
-            raise ValueError(f"eval row {i} lacks {', '.join(missing)} (need {', '.join(EVAL_ROW_KEYS)})")
-    return [{k: _plain(row[k]) for k in EVAL_ROW_KEYS} | {"step": step} for row in rows]
-
-
-def _plain(value: Any) -> Any:
-    """numpy/torch scalars -> Python scalars, so a table row serializes to JSON."""
-    return value.item() if hasattr(value, "item") and getattr(value, "ndim", 0) == 0 else value
 
 
 class EvalLinks:

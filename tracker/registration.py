@@ -5,7 +5,7 @@ they have not all landed, the registration becomes a job in the run dir (tag `rl
 that the uploader runs once they have, in this session or the next one on the run dir (or `rlops runs
 flush`). With `tracking.register_on_eval`, each newly linked eval re-picks the best of its eval set.
 Only a checkpoint that beats the base registers: the step-0 eval of the same eval set is the base's
-score, and the two per-maze tables are compared by `tracker.baseline` (`tracking.beat_base_max_p`).
+score, and the two eval tables are compared by `tracker.baseline` (`tracking.beat_base_max_p`).
 What to register and what to delete after is `tracker.registry`'s part.
 """
 from __future__ import annotations
@@ -124,13 +124,13 @@ class Registration:
 
     def _base_comparison(self, source: str, best_step: int) -> baseline.BaselineComparison | None:
         """The paired test of the checkpoint of `best_step` against the step-0 eval (the base), or None when
-        the rule is off (`beat_base_max_p` null) or the run has no step-0 per-maze table of `source`."""
+        the rule is off (`beat_base_max_p` null) or the run has no step-0 eval table of `source`."""
         if self._config.tracking.beat_base_max_p is None:
             return None
         base = registry.eval_outcomes(self._client, self._run_id, source, 0)
         best = registry.eval_outcomes(self._client, self._run_id, source, best_step) if best_step else base
         if base is None or best is None:
-            log.warning("register_best: run %s has no per-maze table of %s at step 0 and step %d: the best "
+            log.warning("register_best: run %s has no eval table of %s at step 0 and step %d: the best "
                         "checkpoint is not compared with the base", self._run_id, source, best_step)
             return None
         comparison = baseline.compare(base, best)

@@ -16,6 +16,7 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 
+from rlops.eval_table import table_outcomes
 from rlops.layout import TAG_EVAL_SET, TAG_METRIC_KEY, TAG_METRIC_VALUE, TAG_RUN_ID, TAG_STEP
 from tracker.checkpoints import MODEL_TYPE
 from tracker.evals import table_artifact
@@ -44,17 +45,14 @@ def run_checkpoints(client: MlflowClient, experiment_id: str, run_id: str) -> li
             return models
 
 
-def eval_outcomes(client: MlflowClient, run_id: str, data_source: str, step: int) -> dict[int, bool] | None:
-    """seed -> solved from the per-maze table the tracker logged for `data_source` at `step`; None if absent."""
+def eval_outcomes(client: MlflowClient, run_id: str, data_source: str, step: int) -> dict[str, bool] | None:
+    """id -> passed from the eval table the tracker logged for `data_source` at `step`; None if absent."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
             local = client.download_artifacts(run_id, table_artifact(data_source, step), tmp)
         except Exception:  # noqa: BLE001 - MLflow raises several types for a missing artifact
             return None
-        table = json.loads(Path(local).read_text())
-    columns = table["columns"]
-    seed, solved = columns.index("seed"), columns.index("solved")
-    return {int(row[seed]): bool(row[solved]) for row in table["data"]}
+        return table_outcomes(json.loads(Path(local).read_text()))
 
 
 def checkpoint_step(model: LoggedModel) -> int:

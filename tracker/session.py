@@ -21,9 +21,10 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 
 from rlops.config import Config
+from rlops.eval_table import table_rows
 from tracker import lifecycle, run_start, state, system
 from tracker.checkpoints import ArtifactUploader
-from tracker.evals import EvalLinking, eval_table, table_artifact
+from tracker.evals import EvalLinking, table_artifact
 from tracker.heartbeat import Heartbeat
 from tracker.inputs import DatasetRef, EvalDatasets, stored_datasets
 from tracker.lifecycle import ExitGuard
@@ -256,16 +257,17 @@ class RunSession:
             raise
         return True
 
-    def log_eval(self, data_source: str, solve_rate: float, rows: list[dict], step: int,
+    def log_eval(self, data_source: str, score: float, rows: list[dict], step: int,
                  metrics: Mapping[str, float] | None = None) -> None:
-        """Log `eval/<data_source>/avg_score` (linked to this step's checkpoint), the per-maze table, and
-        any further named scores of the same eval as `eval/<data_source>/<name>`."""
+        """Log `eval/<data_source>/avg_score` (linked to this step's checkpoint), the eval table (rows of
+        `rlops.eval_table`: id, passed, score, extras), and any further named scores of the same eval as
+        `eval/<data_source>/<name>`."""
         self._check_open()
         step = check_step(step)
-        rate = as_float("solve_rate", solve_rate)
+        rate = as_float("score", score)
         if not 0.0 <= rate <= 1.0:
-            raise ValueError(f"solve_rate must be within [0, 1], got {rate}")
-        eval_table(rows, step)  # bad rows raise before anything is logged
+            raise ValueError(f"score must be within [0, 1], got {rate}")
+        table_rows(rows, step)  # bad rows raise before anything is logged
         metrics = check_metrics({} if metrics is None else metrics)
         logged = self.log_eval_metrics(
             {eval_key(data_source): rate, **{eval_key(data_source, k): v for k, v in metrics.items()}}, step)
@@ -273,11 +275,11 @@ class RunSession:
             self.log_eval_table(data_source, rows, step)
 
     def log_eval_table(self, data_source: str, rows: list[dict], step: int) -> None:
-        """The per-maze table of an eval whose scores `log_eval_metrics` logged (SkyRL's path), which the
+        """The eval table of an eval whose scores `log_eval_metrics` logged (SkyRL's path), which the
         registration compares with the base's."""
         self._check_open()
         step = check_step(step)
-        table = eval_table(rows, step)
+        table = table_rows(rows, step)
         if table:
             self._uploader.add_table(table_artifact(data_source, step), table)
 

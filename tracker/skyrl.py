@@ -7,7 +7,7 @@ on resume), (c) log every payload a second time, synchronously, and (d) end the 
 `Tracking.finish()`/`__del__` even after a crash. Metrics reach MLflow once, through `on_log`.
 
 At each eval, `on_eval_end` reads the trajectories SkyRL's evaluate() dumped (`trainer.dump_eval_results`):
-the per-maze table registration compares, and the first `tracking.sample_mazes` of them as the run's sample
+the eval table registration compares, and the first `tracking.sample_mazes` of them as the run's sample
 table (`eval/samples/step_N.json` + grid), with the task's own columns (`task_columns`) first. In a Ray job,
 system metrics are per node (`tracker.ray_nodes`).
 
@@ -211,7 +211,7 @@ class TrackerCallback(TrainingCallback):
         metrics = named_by_data_source(numeric(callback_input.metrics or {}), sources)
         if metrics:
             self.session.log_eval_metrics(metrics, step=step)
-        # the per-maze outcomes too, which registration compares with the base's (the step-0 eval)
+        # the eval table too, which registration compares with the base's (the step-0 eval)
         for data_source, rows in dumped_eval_rows(entries).items():
             self.session.log_eval_table(data_source, rows, step)
         # what the policy answered: the first `sample_mazes` trajectories (the session bounds it too; slicing
@@ -262,12 +262,13 @@ def entry_reward(entry: Mapping[str, Any]) -> float:
 
 
 def dumped_eval_rows(entries: list[dict]) -> dict[str, list[dict]]:
-    """Per-maze rows of dumped eval trajectories, by data source. A maze is solved when its reward is 1
-    (the VisGym task reward)."""
+    """Eval-table rows (rlops.eval_table) of dumped eval trajectories, by data source: id = the item's seed,
+    score = its reward, passed when the reward is 1 (a verifiable task's full reward)."""
     rows: dict[str, list[dict]] = {}
     for entry in entries:
+        reward = entry_reward(entry)
         rows.setdefault(entry["data_source"], []).append(
-            {"seed": entry_seed(entry), "solved": entry_reward(entry) >= 1.0, "steps": None, "final_distance": None})
+            {"id": entry_seed(entry), "passed": reward >= 1.0, "score": reward, "extras": {}})
     return rows
 
 

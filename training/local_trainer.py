@@ -184,13 +184,14 @@ def generate_answers(model, processor, mazes: list[Maze], max_new_tokens: int, b
 
 def evaluate(model, processor, maze_set: ds.MazeSet, max_new_tokens: int, samples: int = 0,
              temperature: float = 1.0) -> EvalResult:
-    """Greedy solve rate (unshaped task reward) on a named maze set, with per-maze rows; with `samples` > 0
+    """Greedy solve rate (unshaped task reward) on a named maze set, with its eval-table rows (id = the maze's
+    seed; steps and final distance as extras); with `samples` > 0
     also pass@1 of `samples` answers per maze sampled at `temperature`."""
     mazes = maze_set.mazes()
     answers = generate_answers(model, processor, mazes, max_new_tokens)
     walks = [walk_answer(m, a) for m, a in zip(mazes, answers)]
-    rows = [{"seed": m.seed, "solved": w.solved, "steps": w.steps, "final_distance": w.final_distance}
-            for m, w in zip(mazes, walks)]
+    rows = [{"id": m.seed, "passed": w.solved, "score": float(w.solved),
+             "extras": {"steps": w.steps, "final_distance": w.final_distance}} for m, w in zip(mazes, walks)]
     solved = sum(w.solved for w in walks)
     result = EvalResult(maze_set.data_source, solved / len(mazes), wilson_interval(solved, len(mazes)), rows,
                         samples=[sample_row(m, a, w) for m, a, w in zip(mazes, answers, walks)])
