@@ -812,7 +812,8 @@ def test_verify_gate_publishes_the_candidate_as_v_n_and_refuses_a_worse_served_s
     data_source, seeds = local_eval_set(served.config.training.local.eval_size).data_source, list(range(8))
 
     def track(version: int, solved: bool) -> str:
-        """Log the per-maze eval table the tracker would have logged for the version's checkpoint."""
+        """Log an eval table for the version's checkpoint in the maze-only format of runs before the generic
+        table (rlops.eval_table reads it as id/passed rows)."""
         mv = client.get_model_version(served.model, str(version))
         logged = client.get_logged_model(mv.model_id or mv.source.removeprefix("models:/"))
         client.log_table(logged.source_run_id, {"seed": seeds, "solved": [solved] * len(seeds)},
