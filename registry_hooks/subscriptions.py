@@ -37,10 +37,6 @@ class WebhookCheck:
     answers: bool
     detail: str
 
-    def to_dict(self) -> dict:
-        return {"id": self.webhook_id, "name": self.name, "url": self.url, "answers": self.answers,
-                "detail": self.detail}
-
 
 def webhook_url(config: Config) -> str:
     return config.hooks.public_url or local_webhook_url(config)
