@@ -308,9 +308,12 @@ def _start_ray_node(config: Config, name: str, env: Mapping[str, str], alive_aft
     if name == RAY_HEAD:
         urls["dashboard"] = config.ray_dashboard_url or ""
     for attempt in range(1, RAY_NODE_ATTEMPTS + 1):
-        record = processes.start(config.data_path, name, ray_argv(config, name), env, urls=urls)
+        argv = ray_argv(config, name)
+        agent = _agent_url(config, argv) if name == RAY_HEAD else None
+        record = processes.start(config.data_path, name, argv, env, urls=urls)
         try:
-            processes.wait_healthy(record, lambda: ray_alive_nodes(config) >= alive_after, timeout_s,
+            processes.wait_healthy(record, lambda: ray_alive_nodes(config) >= alive_after and
+                                   (agent is None or _answers(agent)), timeout_s,
                                    what=f"{name} (attempt {attempt}/{RAY_NODE_ATTEMPTS})")
             return
         except processes.ProcessError:
@@ -318,6 +321,20 @@ def _start_ray_node(config: Config, name: str, env: Mapping[str, str], alive_aft
             processes.stop(config.data_path, name)
             if attempt == RAY_NODE_ATTEMPTS or timed_out:
                 raise
+
+
+def _agent_url(config: Config, argv: list[str]) -> str:
+    """The head's dashboard agent: the dashboard takes job submissions only once it has registered (it
+    waits 10 s for one, then answers "No available agent", seen on 2 loaded cores right after a start)."""
+    port = next(a.split("=", 1)[1] for a in argv if a.startswith("--dashboard-agent-listen-port="))
+    return f"http://{config.ray.host}:{port}/api/healthz"
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _start_ray(config: Config, started: list[str], timeout_s: float) -> None:

@@ -14,6 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -46,12 +47,12 @@ def ray_head():
     """`ray start --head` on loopback with its own temp dir; stopped by pid (never `ray stop`: that would end
     every Ray on the machine), whatever the test did."""
     temp_dir = Path(tempfile.mkdtemp(prefix="rlray-", dir="/tmp"))  # short: Ray's socket paths have a length cap
-    dashboard = free_port()
+    dashboard, agent = free_port(), free_port()
     env = secret_environment()
     log = open(temp_dir.with_name(temp_dir.name + ".log"), "w+")  # beside the temp dir: read back if the head fails
     starter = subprocess.Popen(
         [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=1", "--num-gpus=0",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={agent}", "--num-cpus=1", "--num-gpus=0",
          f"--temp-dir={temp_dir}", "--disable-usage-stats", "--include-dashboard=true"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -62,8 +63,10 @@ def ray_head():
         while True:
             try:
                 JobSubmissionClient(address).list_jobs()
+                # submissions need the head's agent: without it the dashboard answers 500 after 10 s
+                httpx.get(f"http://127.0.0.1:{agent}/api/healthz", timeout=5).raise_for_status()
                 break
-            except Exception:  # noqa: BLE001 - the dashboard is not up yet
+            except Exception:  # noqa: BLE001 - the dashboard or its agent is not up yet
                 if time.monotonic() > deadline or starter.poll() is not None:
                     log.seek(0)
                     pytest.fail(f"ray start --head did not come up: {log.read()[-2000:]}")
