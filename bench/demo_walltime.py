@@ -51,7 +51,7 @@ def main() -> None:
     budget = 240.0 if args.fast else BUDGET_S
     print(f"total {total:.1f} s (budget {budget:.0f} s: {'met' if total < budget else 'MISSED'}); "
           f"ratio total/budget {total / budget:.2f}")
-    print(f"fixed-eval solve rate before GRPO {summary['solve_rate_before']} -> after {summary['solve_rate_after']}; "
+    print(f"fixed-eval pass rate before GRPO {summary['pass_rate_before']} -> after {summary['pass_rate_after']}; "
           f"served v{summary['served_version']} answered {summary['answer']!r} (solved: {summary['solved']})")
     name = "demo_walltime.py" + (" --fast" if args.fast else "")
     record(name, total, "s", budget, total / budget, f"whole `rlops demo{' --fast' if args.fast else ''}` < {budget:.0f} s after installs (baseline = budget)")

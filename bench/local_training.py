@@ -32,11 +32,11 @@ GOAL = "held-out greedy solve rate after GRPO >= before + 10 points with paired 
 PNG = Path(__file__).with_name("local_training.png")
 
 
-def evaluate_model(model_dir: Path, adapter_dir: Path | None, maze_sets, local) -> dict:
+def evaluate_model(model_dir: Path, adapter_dir: Path | None, task, sources: list[str], local) -> dict:
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from training.local_trainer import evaluate
+    from training.evaluation import evaluate
     from training.vision_cache import VisionCache
 
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir))
@@ -44,8 +44,7 @@ def evaluate_model(model_dir: Path, adapter_dir: Path | None, maze_sets, local) 
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(adapter_dir))
     processor = AutoProcessor.from_pretrained(str(model_dir))
-    return {s.data_source: evaluate(model, processor, s, local.max_completion_tokens, local.eval_samples, local.temperature)
-            for s in maze_sets}
+    return {source: evaluate(model, processor, task, source, local.eval_samples, local.temperature) for source in sources}
 
 
 def plot(result, before: dict, after: dict, heldout_source: str, path: Path) -> None:
@@ -60,7 +59,7 @@ def plot(result, before: dict, after: dict, heldout_source: str, path: Path) -> 
             steps, rates = zip(*points)
             ax.plot(steps, rates, marker="o", label=f"fixed eval (64 mazes), {label}")
     for label, res, style in (("held-out before", before[heldout_source], ":"), ("held-out after", after[heldout_source], "--")):
-        ax.axhline(res.solve_rate, linestyle=style, color="gray" if "before" in label else "black", label=f"{label} (256)")
+        ax.axhline(res.pass_rate, linestyle=style, color="gray" if "before" in label else "black", label=f"{label} (256)")
         ax.axhspan(*res.ci95, color="gray", alpha=0.12)
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("solve rate")
@@ -77,8 +76,8 @@ def main() -> None:
     parser.add_argument("--data-dir", default=".rlops/bench", help="stack data + cached SFT base")
     args = parser.parse_args()
 
-    from training import datasets as ds
-    from training.local_trainer import ensure_base, train
+    from training.base import ensure_base
+    from training.local_trainer import train
 
     config = Config.model_validate({
         "data_dir": args.data_dir, "server": {"port": free_port()},
@@ -90,15 +89,16 @@ def main() -> None:
     stack.up(config)
     try:
         started = time.monotonic()
-        base = ensure_base(config)
+        task = config.load_task()
+        base = ensure_base(config, task)
         print(f"SFT base: {base} ({time.monotonic() - started:.0f} s, cached after the first run)")
-        sets = [ds.local_eval_set(local.eval_size), ds.heldout_set(local.eval_size, 256)]
-        before = evaluate_model(base, None, sets, local)
+        sets = task.eval_sets()[:2]  # the fixed set and its held-out set
+        before = evaluate_model(base, None, task, sets, local)
         run_dir = config.data_path / "runs" / time.strftime("%Y%m%d-%H%M%S")
         result = train(config, run_dir, budget_s=budget)  # the product's step cap: the lr schedule spans it
         best_step = result.best[0]  # what registration picks
-        after = evaluate_model(base, run_dir / f"checkpoint-{best_step}" if best_step else None, sets, local)
-        last = evaluate_model(base, result.adapter_dir, sets, local)
+        after = evaluate_model(base, run_dir / f"checkpoint-{best_step}" if best_step else None, task, sets, local)
+        last = evaluate_model(base, result.adapter_dir, task, sets, local)
     finally:
         stack.down(config)
 
@@ -108,28 +108,28 @@ def main() -> None:
     print("fixed-eval curve, sampled pass@1: " + ", ".join(f"{s}:{r:.3f}" for s, r in result.sampled_curve))
     print(f"after = step {best_step} (best on the fixed set, what registration picks; registered: "
           f"{result.registered_version or result.registration_refused}); last = step {result.steps}")
-    for maze_set in sets:
-        b, a = before[maze_set.data_source], after[maze_set.data_source]
-        scores = [("greedy", b.solve_rate, b.ci95, a.solve_rate, a.ci95)]
+    for source in sets:
+        b, a = before[source], after[source]
+        scores = [("greedy", b.pass_rate, b.ci95, a.pass_rate, a.ci95)]
         if b.sampled_rate is not None:
             scores.append((f"sampled x{local.eval_samples}", b.sampled_rate, b.sampled_ci95, a.sampled_rate, a.sampled_ci95))
         for label, rb, cb, ra, ca in scores:
-            print(f"{maze_set.data_source:<24} n={len(maze_set.seeds):<4} {label:<10} before {rb:.3f} [{cb[0]:.3f}, {cb[1]:.3f}]"
+            print(f"{source:<24} n={len(b.rows):<4} {label:<10} before {rb:.3f} [{cb[0]:.3f}, {cb[1]:.3f}]"
                   f"  after {ra:.3f} [{ca[0]:.3f}, {ca[1]:.3f}]  delta {100 * (ra - rb):+.1f} points  "
                   f"beyond the intervals: {'yes' if ca[0] > cb[1] else 'no'}")
-    heldout = sets[1].data_source
-    for maze_set in sets:
+    heldout = sets[1]
+    for source in sets:
         for label, scored in (("best", after), ("last", last)):
-            paired = compare(outcomes(before[maze_set.data_source].rows), outcomes(scored[maze_set.data_source].rows))
-            print(f"{maze_set.data_source:<24} greedy paired sign test, {label} checkpoint: {paired.describe()}")
+            paired = compare(outcomes(before[source].rows), outcomes(scored[source].rows))
+            print(f"{source:<24} greedy paired sign test, {label} checkpoint: {paired.describe()}")
     plot(result, before, after, heldout, PNG)
     print(f"curve written to {PNG}")
-    b, a = before[heldout].solve_rate, after[heldout].solve_rate
+    b, a = before[heldout].pass_rate, after[heldout].pass_rate
     print(f"held-out solve rate after/before ratio {a / b if b else float('nan'):.3f}")
     record("local_training.py", a, f"held-out solve rate (256 mazes) of the registered pick (step {best_step} of "
            f"{result.steps})", b, a / b if b else None, GOAL)
-    record("local_training.py:last", last[heldout].solve_rate, f"held-out solve rate (256 mazes) of the last "
-           f"checkpoint (step {result.steps})", b, last[heldout].solve_rate / b if b else None, "report only")
+    record("local_training.py:last", last[heldout].pass_rate, f"held-out solve rate (256 mazes) of the last "
+           f"checkpoint (step {result.steps})", b, last[heldout].pass_rate / b if b else None, "report only")
     sb, sa = before[heldout].sampled_rate, after[heldout].sampled_rate
     if sb is not None:
         record("local_training.py:sampled", sa, f"held-out pass@1 (256 mazes x {local.eval_samples} samples at "

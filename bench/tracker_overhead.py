@@ -36,7 +36,7 @@ from skyrl.train.utils.tracking import Tracking  # noqa: E402
 import mlflow  # noqa: E402
 from mlflow.entities import Metric  # noqa: E402
 from tracker import RunSession  # noqa: E402
-from training.maze import generate_maze, render  # noqa: E402
+from tasks.maze.env import generate_maze, render  # noqa: E402
 
 METRICS_PER_STEP = 100
 SAMPLE_ROWS, SAMPLE_EVERY = 16, 10  # with sample logging on: a 16-maze table every 10th step
@@ -78,7 +78,7 @@ def sample_rows(step: int) -> list[dict]:
     for seed in range(SAMPLE_ROWS):
         maze = generate_maze(seed, 7)
         rows.append({"image": functools.partial(render, maze), "seed": seed, "prompt": "p", "completion": "up stop",
-                     "moves": "up stop", "reward": 0.1, "solved": seed % 2 == 0})
+                     "moves": "up stop", "reward": 0.1, "passed": seed % 2 == 0})
     return rows
 
 

@@ -42,7 +42,7 @@ CONCURRENCY = 4
 def maze_data_url() -> str:
     from PIL import Image
 
-    from training.maze import generate_maze, render
+    from tasks.maze.env import generate_maze, render
 
     buffer = io.BytesIO()
     Image.fromarray(render(generate_maze(seed=3, size=7))).save(buffer, format="PNG")

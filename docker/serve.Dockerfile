@@ -14,8 +14,8 @@ COPY --chown=ray:users rlops /tmp/rlops/rlops
 COPY --chown=ray:users serving /tmp/rlops/serving
 COPY --chown=ray:users registry_hooks /tmp/rlops/registry_hooks
 COPY --chown=ray:users tracker /tmp/rlops/tracker
-COPY --chown=ray:users training /tmp/rlops/training
+COPY --chown=ray:users tasks /tmp/rlops/tasks
 RUN uv pip install --system --no-cache --no-deps /tmp/rlops \
     && rm -rf /tmp/rlops \
-    && python -c "import serving, registry_hooks, ray.serve.llm" \
+    && python -c "import serving, registry_hooks, tasks.maze, ray.serve.llm" \
     && rlops --help >/dev/null

@@ -14,6 +14,7 @@ COPY --chown=ray:users pyproject.toml README.md /tmp/rlops/
 COPY --chown=ray:users rlops /tmp/rlops/rlops
 COPY --chown=ray:users tracker /tmp/rlops/tracker
 COPY --chown=ray:users training /tmp/rlops/training
+COPY --chown=ray:users tasks /tmp/rlops/tasks
 COPY --chown=ray:users serving /tmp/rlops/serving
 COPY --chown=ray:users registry_hooks /tmp/rlops/registry_hooks
 # The submit script, run from the head pod (docs/deployment.md); it resolves the installed package.

@@ -112,10 +112,10 @@ def _print_report(report: SyncReport, as_json: bool) -> None:
         click.echo(f"  removed  {alias} (alias deleted in the registry)")
     if report.verify:
         v = report.verify
-        current = (f"; current v{v['current_version']} served {v['current_served_solve_rate']:.4f}"
-                   if v["current_served_solve_rate"] is not None else "")
-        click.echo(f"  verified {v['served_name']} on {v['data_source']} ({v['mazes']} mazes): served "
-                   f"{v['served_solve_rate']:.4f}, tracked {v['tracked_solve_rate']:.4f}{current}; margin {v['margin']:g}")
+        current = (f"; current v{v['current_version']} served {v['current_served_pass_rate']:.4f}"
+                   if v["current_served_pass_rate"] is not None else "")
+        click.echo(f"  verified {v['served_name']} on {v['data_source']} ({v['items']} items): served "
+                   f"{v['served_pass_rate']:.4f}, tracked {v['tracked_pass_rate']:.4f}{current}; margin {v['margin']:g}")
         for note in v["notes"]:
             click.echo(f"  note: {note}")
     for warning in report.warnings:
@@ -420,7 +420,7 @@ def verify_command(ctx, model, alias, version, endpoint, as_json) -> None:
         click.echo(json.dumps(report.to_dict()))
     else:
         click.echo(f"{report.served_name} (v{report.version}) on {report.data_source}: served {report.served:.4f}, "
-                   f"tracked {report.tracked:.4f}; {report.matching}/{report.mazes} mazes agree"
+                   f"tracked {report.tracked:.4f}; {report.matching}/{report.items} items agree"
                    + (f"; differing seeds: {', '.join(map(str, report.differing))}" if report.differing else ""))
     if report.differing:
         sys.exit(EXIT_PARITY)

@@ -63,7 +63,7 @@ def live_gate(promoter: Promoter, model: str, alias: str, version: int, gate: Li
     """The live eval gate of `--verify`, before `alias` moves to `version`: publish the candidate under its own
     name (`@v<N>`, a `preview` history entry; no alias moves), wait until the endpoint resolves it, replay its
     eval set through the endpoint (`verify_served`: the served figure is logged on its LoggedModel), and the
-    current target's as `@v<current>` beside it. On a guarded alias, raise Refused when the served solve rate
+    current target's as `@v<current>` beside it. On a guarded alias, raise Refused when the served pass rate
     is below the tracked one, or the current target's served one, by more than
     `registry.guardrail_served_margin` (`force`: pass, said in the figures). Returns the figures."""
     from registry_hooks.parity import verify_served
@@ -83,23 +83,23 @@ def live_gate(promoter: Promoter, model: str, alias: str, version: int, gate: Li
         return verify_served(config, model, alias=None, version=v, endpoint=gate.endpoint, api_key=gate.api_key)
 
     candidate = measure(version)
-    figures = {"served_name": name, "data_source": candidate.data_source, "mazes": candidate.mazes,
-               "served_solve_rate": candidate.served, "tracked_solve_rate": candidate.tracked,
-               "current_version": current, "current_served_solve_rate": None, "seconds_to_serve": waited,
+    figures = {"served_name": name, "data_source": candidate.data_source, "items": candidate.items,
+               "served_pass_rate": candidate.served, "tracked_pass_rate": candidate.tracked,
+               "current_version": current, "current_served_pass_rate": None, "seconds_to_serve": waited,
                "margin": config.registry.guardrail_served_margin, "guarded": alias in config.registry.guarded_aliases,
                "refusal": None, "notes": []}
     if current is not None and current != version:
         try:
-            figures["current_served_solve_rate"] = measure(current).served
+            figures["current_served_pass_rate"] = measure(current).served
         except NotFound as exc:
             figures["notes"].append(f"the current v{current} was not compared: {exc}")
     refusal = served_gate_refusal(version, candidate.served, candidate.tracked, current_version=current,
-                                  current_served=figures["current_served_solve_rate"],
+                                  current_served=figures["current_served_pass_rate"],
                                   margin=config.registry.guardrail_served_margin, data_source=candidate.data_source)
     figures["refusal"] = refusal
     shown = (f"{utc_now()}: served {candidate.served:.4f} (tracked {candidate.tracked:.4f}) on {candidate.data_source}, "
-             f"{candidate.mazes} mazes" + (f"; current v{current} served {figures['current_served_solve_rate']:.4f}"
-                                           if figures["current_served_solve_rate"] is not None else ""))
+             f"{candidate.items} items" + (f"; current v{current} served {figures['current_served_pass_rate']:.4f}"
+                                           if figures["current_served_pass_rate"] is not None else ""))
     registry.set_tags(promoter.mlflow, model, version, {registry.VERIFIED_TAG: shown})
     if refusal and figures["guarded"]:
         if not force:

@@ -1,23 +1,25 @@
-"""`promote verify`: does the endpoint serve what the tracker measured? The version's fixed eval set goes
-through the running endpoint under its alias name, greedy, and the served solve rate is compared maze by
-maze with the per-maze table the tracker logged for that checkpoint. The served figure is logged to the
-version's LoggedModel (`served/<data_source>/avg_score`) and the differing mazes are reported.
+"""`promote verify`: does the endpoint serve what the tracker measured? The version's eval set (the data
+source of its registration metric) goes through the running endpoint under its alias name, greedy, and
+each item's served outcome, scored by the task the run trained on (its `rlops.task` tag, else
+`task.path`), is compared with the eval table the tracker logged for that checkpoint. The served figure
+is logged to the version's LoggedModel (`served/<data_source>/avg_score`) and the differing items are reported.
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+
+import yaml
 
 from registry_hooks import registry
 from registry_hooks.sync import NotFound, PromotionError
+from rlops.chat_client import ChatClient, ChatError
 from rlops.config import Config
-from rlops.layout import TAG_STEP
-from tracker.evals import table_artifact
+from rlops.layout import TAG_METRIC_KEY, TAG_STEP
+from rlops.task import TAG_TASK, TASK_PARAM_PREFIX, Task, TaskError, load_task
+from tracker.evals import eval_source, table_artifact
 from tracker.registry import eval_outcomes
 
 SERVED_METRIC = "served/{data_source}/avg_score"
-REQUEST_WORKERS = 4
 
 
 @dataclass
@@ -26,19 +28,21 @@ class ParityReport:
     version: int
     served_name: str
     data_source: str
+    task: str
     tracked: float
     served: float
-    mazes: int
-    differing: list[str] = field(default_factory=list)  # ids (maze seeds) whose pass/fail outcome differs
+    items: int
+    differing: list[str] = field(default_factory=list)  # ids of the items whose pass/fail outcome differs
 
     @property
     def matching(self) -> int:
-        return self.mazes - len(self.differing)
+        return self.items - len(self.differing)
 
     def to_dict(self) -> dict:
         return {"model": self.model, "version": self.version, "served_name": self.served_name,
-                "data_source": self.data_source, "tracked_solve_rate": self.tracked, "served_solve_rate": self.served,
-                "mazes": self.mazes, "matching": self.matching, "differing_seeds": self.differing}
+                "data_source": self.data_source, "task": self.task, "tracked_pass_rate": self.tracked,
+                "served_pass_rate": self.served, "items": self.items, "matching": self.matching,
+                "differing_ids": self.differing}
 
 
 def compare(tracked: dict[str, bool], served: dict[str, bool]) -> list[str]:
@@ -55,14 +59,25 @@ def tracked_rows(client, run_id: str, data_source: str, step: int) -> dict[str, 
     return rows
 
 
+def version_task(config: Config, run) -> tuple[str, Task]:
+    """(path, task) the version's run trained on: its `rlops.task` tag and `task.*` params when the tag
+    names a task class (runs before tasks were pluggable tagged a description), else the configured one."""
+    path = run.data.tags.get(TAG_TASK, "")
+    if ":" in path:
+        options = {k.removeprefix(TASK_PARAM_PREFIX): yaml.safe_load(v) for k, v in run.data.params.items()
+                   if k.startswith(TASK_PARAM_PREFIX)}
+    else:
+        path, options = config.task.path, config.task.options
+    try:
+        return path, load_task(path, options)
+    except TaskError as exc:
+        raise PromotionError(f"cannot score the served answers: {exc}") from None
+
+
 def verify_served(config: Config, model: str, *, alias: str | None, version: int | None, endpoint: str,
                   api_key: str | None) -> ParityReport:
-    """Run the fixed eval set of `model`'s version (at `alias`, or `version` pinned as `@v<N>`) through
+    """Run the eval set of `model`'s version (at `alias`, or `version` pinned as `@v<N>`) through
     `endpoint` and compare with the tracked table; log the served figure on the LoggedModel."""
-    from training import datasets as ds
-    from training.maze import render, walk_answer
-    from training.skyrl_env import image_data_url
-
     client = registry.mlflow_client(config)
     if (alias is None) == (version is None):
         raise PromotionError("give exactly one of alias or version")
@@ -83,43 +98,23 @@ def verify_served(config: Config, model: str, *, alias: str | None, version: int
     if TAG_STEP not in logged.tags:
         raise NotFound(f"version {version} was not logged by the tracker (its LoggedModel has no {TAG_STEP} tag)")
     step = int(logged.tags[TAG_STEP])
-    maze_set = ds.local_eval_set(config.training.local.eval_size)
-    tracked = tracked_rows(client, logged.source_run_id, maze_set.data_source, step)
-    mazes = [m for m in maze_set.mazes() if str(m.seed) in tracked]
-    ask = _chat(endpoint, api_key)
-    max_tokens = config.training.local.max_completion_tokens
-
-    def answer(maze) -> str:
-        return ask(served_name, image_data_url(render(maze)), max_tokens)
-
-    # The first maze alone: Ray's LLMServer loads an adapter racily, and a second concurrent first use of
-    # one adapter fails ("already loaded", a 500), which is not the version's fault.
-    with ThreadPoolExecutor(REQUEST_WORKERS) as pool:
-        answers = [answer(m) for m in mazes[:1]] + list(pool.map(answer, mazes[1:]))
-    served = {str(m.seed): walk_answer(m, a).solved for m, a in zip(mazes, answers)}
-    report = ParityReport(model, version, served_name, maze_set.data_source,
-                          tracked=sum(tracked.values()) / len(tracked), served=sum(served.values()) / len(served),
-                          mazes=len(tracked), differing=compare(tracked, served))
-    client.log_metric(logged.source_run_id, SERVED_METRIC.format(data_source=maze_set.data_source), report.served,
+    task_path, task = version_task(config, client.get_run(logged.source_run_id))
+    # the eval set its registration ranked on; a version registered by hand is checked on the task's fixed set
+    data_source = eval_source(registered.tags.get(TAG_METRIC_KEY, "")) or task.eval_sets()[0]
+    tracked = tracked_rows(client, logged.source_run_id, data_source, step)
+    try:
+        items = [it for it in task.eval_items(data_source) if it.id in tracked]
+    except TaskError as exc:
+        raise NotFound(f"version {version}: {exc}") from None
+    try:
+        answers = ChatClient(endpoint, api_key).answers(served_name, items, task.answer_length)
+    except ChatError as exc:
+        raise PromotionError(str(exc)) from None
+    served = {it.id: task.score(it, a).passed for it, a in zip(items, answers)}
+    report = ParityReport(model, version, served_name, data_source, task_path,
+                          tracked=sum(tracked.values()) / len(tracked), served=sum(served.values()) / max(1, len(served)),
+                          items=len(tracked), differing=compare(tracked, served))
+    client.log_metric(logged.source_run_id, SERVED_METRIC.format(data_source=data_source), report.served,
                       step=step, model_id=model_id)
-    client.set_model_version_tag(model, str(version), "rlops.served_parity", f"{report.matching}/{report.mazes}")
+    client.set_model_version_tag(model, str(version), "rlops.served_parity", f"{report.matching}/{report.items}")
     return report
-
-
-def _chat(endpoint: str, api_key: str | None) -> Callable[[str, str, int], str]:
-    import httpx
-
-    from training import datasets as ds
-
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-
-    def ask(model: str, image_url: str, max_tokens: int) -> str:
-        body = {"model": model, "temperature": 0, "max_tokens": max_tokens, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": ds.LOCAL_PROMPT}]}]}
-        response = httpx.post(f"{endpoint.rstrip('/')}/v1/chat/completions", json=body, headers=headers, timeout=120)
-        if response.status_code != 200:
-            raise PromotionError(f"the endpoint answered {response.status_code} for {model}: "
-                                 f"{response.json().get('error', {}).get('message', response.text[:200])}")
-        return response.json()["choices"][0]["message"]["content"] or ""
-
-    return ask

@@ -176,7 +176,7 @@ def with_preview(old: RoutesManifest, version: int, *, alias: str, trigger: str,
 
 def served_gate_refusal(version: int, served: float, tracked: float, *, current_version: int | None,
                         current_served: float | None, margin: float, data_source: str) -> str | None:
-    """Why the live eval gate refuses `version` (None: it passes): its solve rate served through the endpoint
+    """Why the live eval gate refuses `version` (None: it passes): its pass rate served through the endpoint
     is below its tracked one, or below the current target's served one, by more than `margin`."""
     problems = []
     if served < tracked - margin:
@@ -185,7 +185,7 @@ def served_gate_refusal(version: int, served: float, tracked: float, *, current_
         problems.append(f"below the current v{current_version}'s served {current_served:.4f}")
     if not problems:
         return None
-    return (f"live eval: v{version} served a solve rate of {served:.4f} on {data_source}, "
+    return (f"live eval: v{version} served a pass rate of {served:.4f} on {data_source}, "
             f"{' and '.join(problems)} by more than the margin {margin:g} (registry.guardrail_served_margin)")
 
 

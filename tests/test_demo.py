@@ -74,16 +74,16 @@ def test_demo_fast_runs_the_whole_loop(stack, tmp_path, unique_name):
         assert summary["served_version"] == production.version
         # Parity: the served greedy answers on the fixed eval set agree with the tracked eval (fp32).
         parity = summary["parity"]
-        assert parity["version"] == int(production.version) and parity["mazes"] == 64 and parity["matching"] >= 63
+        assert parity["version"] == int(production.version) and parity["items"] == 64 and parity["matching"] >= 63
         verify = subprocess.run([str(Path(sys.executable).parent / "promote"), "verify", model, "--json"], env=env,
                                 capture_output=True, text=True, timeout=300)
         report = json.loads(verify.stdout)
-        assert verify.returncode == (0 if report["matching"] == report["mazes"] else 7), verify.stderr
-        assert report["served_solve_rate"] == parity["served_solve_rate"]
+        assert verify.returncode == (0 if report["matching"] == report["items"] else 7), verify.stderr
+        assert report["served_pass_rate"] == parity["served_pass_rate"]
         logged = client.get_logged_model(production.model_id or production.source.removeprefix("models:/"))
         assert any(m.key == f"served/{parity['data_source']}/avg_score" for m in logged.metrics or [])
         assert client.get_model_version(model, production.version).tags["rlops.served_parity"] == \
-            f"{report['matching']}/{report['mazes']}"
+            f"{report['matching']}/{report['items']}"
         print(f"rlops demo --fast took {elapsed:.0f} s; stages: {summary['stages']}")
 
         # A re-run reuses the stack and the endpoint: a new run and version, served without a restart.

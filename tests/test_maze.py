@@ -10,8 +10,8 @@ from collections import deque
 import numpy as np
 import pytest
 
-from training import datasets as ds
-from training.maze import (
+from tasks.maze import datasets as ds
+from tasks.maze.env import (
     AGENT_RGB, CELL_PX, FEEDBACK_OK, FEEDBACK_WALL, STOP, TARGET_RGB, WALL_RGB, MazeEpisode, answer_text,
     demonstration, generate_maze, move, parse_action, random_walk, render, solve, walk_answer,
 )
@@ -191,7 +191,11 @@ def test_built_datasets_keep_eval_layouts_and_never_train_on_them(tmp_path):
 def test_visgym_env_runs_an_episode_through_skyrl_gym(tmp_path):
     import skyrl_gym
 
-    from training.skyrl_env import register_visgym_env
+    from tasks.maze import MazeTask
+    from training.skyrl_main import register_skyrl_env
+
+    def register_visgym_env():
+        register_skyrl_env(MazeTask(MazeTask.Options()))
 
     register_visgym_env()
     register_visgym_env()  # idempotent

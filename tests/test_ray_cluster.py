@@ -22,7 +22,7 @@ from conftest import REPO, llm_replica_logs, ray_records, wait_preloaded, write_
 from rlops.stack import RAY_HEAD, ray_temp_dir
 from tracker.checkpoints import TAG_SHA256
 from tracker.naming import eval_key
-from training.datasets import skyrl_eval_set
+from tasks.maze.datasets import skyrl_eval_set
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +44,8 @@ def _tiny_local_env(name: str) -> dict[str, str]:
     return {"RLOPS_TRACKING__EXPERIMENT": f"exp-{name}", "RLOPS_REGISTRY__MODELS": f"[model-{name}]",
             "RLOPS_TRAINING__LOCAL__NUM_GENERATIONS": "4", "RLOPS_TRAINING__LOCAL__PROMPTS_PER_STEP": "2",
             "RLOPS_TRAINING__LOCAL__CKPT_INTERVAL": "2", "RLOPS_TRAINING__LOCAL__EVAL_INTERVAL": "2",
-            "RLOPS_TRAINING__LOCAL__MAX_COMPLETION_TOKENS": "8", "RLOPS_TRAINING__LOCAL__EVAL_SAMPLES": "0",
-            "RLOPS_TRACKING__SAMPLE_MAZES": "0", "RLOPS_TRACKING__SAMPLE_GROUPS": "0",
+            "RLOPS_TASK__OPTIONS": "{answer_length: 8}", "RLOPS_TRAINING__LOCAL__EVAL_SAMPLES": "0",
+            "RLOPS_TRACKING__SAMPLE_ITEMS": "0", "RLOPS_TRACKING__SAMPLE_GROUPS": "0",
             "RLOPS_TRACKING__SYSTEM_METRICS": "false"}
 
 

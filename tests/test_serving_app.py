@@ -804,12 +804,10 @@ def test_verify_gate_publishes_the_candidate_as_v_n_and_refuses_a_worse_served_s
     from registry_hooks.sync import Promoter
     from rlops.layout import parse_s3_uri
     from tracker.evals import table_artifact
-    from training.datasets import local_eval_set
-
     from conftest import write_config
 
     client = mlflow.MlflowClient(tracking_uri=served.config.tracking_uri, registry_uri=served.config.tracking_uri)
-    data_source, seeds = local_eval_set(served.config.training.local.eval_size).data_source, list(range(8))
+    data_source, seeds = served.config.load_task().eval_sets()[0], list(range(8))
 
     def track(version: int, solved: bool) -> str:
         """Log an eval table for the version's checkpoint in the maze-only format of runs before the generic
@@ -836,7 +834,7 @@ def test_verify_gate_publishes_the_candidate_as_v_n_and_refuses_a_worse_served_s
                            "--reason", "gate it")
     refused_s = time.monotonic() - started
     assert code == 4, err
-    assert f"live eval: v{candidate} served a solve rate of" in err and "below its tracked 1.0000" in err, err
+    assert f"live eval: v{candidate} served a pass rate of" in err and "below its tracked 1.0000" in err, err
     assert "margin 0" in err and "production stays at v1" in err
     assert client.get_model_version_by_alias(served.model, "production").version == "1"
     manifest = storage.read_manifest(Promoter(served.config).dest, parse_s3_uri(served.config.lora_path), served.model)[0]
@@ -859,12 +857,12 @@ def test_verify_gate_publishes_the_candidate_as_v_n_and_refuses_a_worse_served_s
     try:
         assert code == 0, err
         figures = json.loads(out)["verify"]
-        assert figures["served_name"] == served.name(f"@v{candidate}") and figures["mazes"] == len(seeds)
-        assert figures["tracked_solve_rate"] == 1.0 and figures["current_version"] == 1
-        assert figures["current_served_solve_rate"] is not None and figures["refusal"] is None  # margin 1
+        assert figures["served_name"] == served.name(f"@v{candidate}") and figures["items"] == len(seeds)
+        assert figures["tracked_pass_rate"] == 1.0 and figures["current_version"] == 1
+        assert figures["current_served_pass_rate"] is not None and figures["refusal"] is None  # margin 1
         assert json.loads(out)["canaries"]["production"] == {"version": candidate, "weight": 10}
     finally:
         with served.lock, contextlib.suppress(operations.NotFound):
             operations.canary(served.config, served.model, alias="production", abort=True, trigger="test")
     print(f"\nverify gate: refused in {refused_s:.1f} s, passed (canary) in {passed_s:.1f} s, "
-          f"{len(seeds)} mazes per version")
+          f"{len(seeds)} eval items per version")

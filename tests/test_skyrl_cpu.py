@@ -29,7 +29,7 @@ from tracker.checkpoints import TAG_SHA256
 from tracker.naming import eval_key
 from tracker.skyrl import BLOCKING_METRIC
 from training import skyrl_cpu
-from training.datasets import skyrl_eval_set
+from tasks.maze.datasets import skyrl_eval_set
 from training.skyrl_dry_run import run_dry_run
 
 REPO = Path(__file__).resolve().parents[1]

@@ -211,7 +211,7 @@ def test_samples_land_as_a_table_with_images_and_evals_name_their_dataset(test_c
 
     eval_set = DatasetRef("maze_2d/local7", "e" * 64, source="s3://rlops/datasets/local/eval.parquet", rows=64)
     train_set = DatasetRef("maze_2d/local7", "t" * 64, source="/data/train.parquet", context="training")
-    test_config.tracking.sample_mazes, test_config.tracking.sample_groups = 2, 1
+    test_config.tracking.sample_items, test_config.tracking.sample_groups = 2, 1
     test_config.tracking.sample_train_every = 3
     test_config.tracking.system_metrics_interval_s = 0.5
     image = np.zeros((20, 20, 3), dtype=np.uint8)

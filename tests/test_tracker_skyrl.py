@@ -12,8 +12,8 @@ import pytest
 from test_tracker_support import logged_table, make_peft_adapter, metric_history
 from tracker import RunSession
 from tracker.checkpoints import TAG_STEP
-from training import datasets as ds
-from training.maze import AGENT_RGB, CELL_PX, DIRECTION_WORDS, generate_maze, solve
+from tasks.maze import datasets as ds
+from tasks.maze.env import AGENT_RGB, CELL_PX, DIRECTION_WORDS, generate_maze, solve
 
 skyrl_tracker = pytest.importorskip("tracker.skyrl")
 
@@ -25,7 +25,7 @@ from skyrl.train.config import (  # noqa: E402
     SkyRLTrainConfig, TrainerConfig)
 from skyrl.train.utils.callbacks import CallbackInput, TrainingCallback  # noqa: E402
 from skyrl.train.utils.trainer_utils import cleanup_old_checkpoints, dump_per_dataset_eval_results  # noqa: E402
-from training.skyrl_env import ASSISTANT_HEADER, TURN_END, eval_sample_columns  # noqa: E402
+from tasks.maze.trajectories import ASSISTANT_HEADER, TURN_END, eval_sample_columns  # noqa: E402
 
 DATA_SOURCE = "maze_2d/local7"
 SCORES = {0: 0.1, 2: 0.6, 3: 0.4}  # eval solve rate per step: step 2's checkpoint is the best
@@ -384,7 +384,7 @@ class TextTokenizer:
 def test_skyrl_eval_trajectories_land_as_the_sample_table_with_maze_images(test_config, tmp_path, mlflow_client):
     """What SkyRL hands over at eval time: on_eval_end's CallbackInput (metrics) and the trajectories its
     evaluate() dumps with its own dump_per_dataset_eval_results (decoded multi-turn responses)."""
-    test_config.tracking.sample_mazes = 2
+    test_config.tracking.sample_items = 2
     export = tmp_path / "export"
     mazes = [generate_maze(seed, 7) for seed in (0, 1, 2)]
     tokenizer = TextTokenizer()
@@ -416,9 +416,9 @@ def test_skyrl_eval_trajectories_land_as_the_sample_table_with_maze_images(test_
                                                     metrics=metrics), None)
         blocked_s = callback.blocking_s
     table = logged_table(mlflow_client, session.run_id, "eval/samples/step_2.json", tmp_path)
-    assert list(table[0]) == ["image", "moves", "seed", "prompt", "completion", "reward", "solved", "data_source"]
-    assert [(r["seed"], r["moves"], r["reward"], r["solved"]) for r in table] == [
-        (0, " ".join(solved_answers), 1.0, True), (1, "? down stop", 0.0, False)]  # the bound: 2 of 3
+    assert list(table[0]) == ["image", "moves", "id", "prompt", "completion", "reward", "passed", "data_source"]
+    assert [(r["id"], r["moves"], r["reward"], r["passed"]) for r in table] == [
+        ("0", " ".join(solved_answers), 1.0, True), ("1", "? down stop", 0.0, False)]  # the bound: 2 of 3
     assert table[0]["prompt"] == "<|vision_start|><|image_pad|>Navigate."  # the image's pad tokens shown once
     assert table[1]["completion"].startswith("I think left<|im_end|>\n<|im_start|>user\n<|image_pad|>Action")
     images = {f.path for f in mlflow_client.list_artifacts(session.run_id, "table_images/eval/samples/step_2")}

@@ -10,14 +10,14 @@ from click.testing import CliRunner
 from rlops.cli import main
 from rlops.config import Config
 from conftest import write_config
-from training import datasets as ds
+from tasks.maze import datasets as ds
 from test_tracker_support import logged_table
 from tracker.lineage import content_digest
-from training.local_trainer import (
-    LORA_TARGETS, SAMPLED_METRIC, TrainingError, check_fits_machine, completion_text, estimate_parameters, evaluate,
-    grpo_mazes, maze_mean_interval, sft_mazes, maze_reward, shaped_reward, solved_reward, tiny_init_dir, train, wilson_interval,
-)
-from training.maze import answer_text, generate_maze, move, solve, walk_answer
+from tasks.maze.env import answer_text, generate_maze, move, solve, walk_answer
+from tasks.maze.task import MazeTask, maze_item, shaped_reward
+from training.base import TrainingError, check_fits_machine, estimate_parameters, sft_items, tiny_init_dir
+from training.evaluation import SAMPLED_METRIC, completion_text, evaluate, item_mean_interval, wilson_interval
+from training.local_trainer import GRPO_PROMPTS, LORA_TARGETS, item_row, training_rewards, train
 
 
 def test_shaped_reward_orders_answers_by_quality():
@@ -38,20 +38,28 @@ def test_shaped_reward_orders_answers_by_quality():
     assert past.solved and shaped_reward(past) < 1.0
 
 
-def test_trl_reward_functions_read_the_layout_column():
+def test_trl_reward_functions_read_the_item_columns():
     maze = generate_maze(9, 7)
-    layout = ds.json.dumps(maze.layout(), sort_keys=True)
+    row = item_row(maze_item(maze))
+    columns = {k: [row[k], row[k]] for k in ("item_id", "item_text", "target")}
     completions = [[{"role": "assistant", "content": answer_text(solve(maze))}], [{"role": "assistant", "content": "up"}]]
-    assert maze_reward([None, None], completions, layout=[layout, layout])[0] == 1.0
-    assert solved_reward([None, None], completions, layout=[layout, layout]) == [1.0, 0.0]
+    shaped = MazeTask(MazeTask.Options(reward="shaped"))
+    reward, score = training_rewards(shaped)
+    assert reward([None, None], completions, **columns)[0] == 1.0 and 0.0 < reward([None], completions[1:], **{
+        k: v[:1] for k, v in columns.items()})[0] < 1.0
+    assert score([None, None], completions, **columns) == [1.0, 0.0]
+    plain_reward, _ = training_rewards(MazeTask(MazeTask.Options()))
+    assert plain_reward([None, None], completions, **columns) == [1.0, 0.0]  # the default trains on the task score
     assert completion_text([{"role": "assistant", "content": [{"type": "text", "text": "left stop"}]}]) == "left stop"
 
 
 def test_local_training_never_sees_a_fixed_eval_or_held_out_layout():
     config = Config()
-    evals = {ds.layout_key(m) for s in ds.local_eval_sets(config.training.local.eval_size) for m in s.mazes()}
+    task = config.load_task()
+    evals = {ds.layout_key(m) for s in ds.local_eval_sets(task.options.eval_size) for m in s.mazes()}
     assert len(evals) >= 256
-    for mazes in (sft_mazes(config), grpo_mazes(config)):
+    for items in (sft_items(config, task), task.train_items(GRPO_PROMPTS)):
+        mazes = [ds.maze_from_layout(json.dumps(it.target)) for it in items]
         assert len(mazes) >= 2048 and not {ds.layout_key(m) for m in mazes} & evals
 
 
@@ -64,10 +72,10 @@ def test_wilson_interval_brackets_the_rate():
 def test_sampled_interval_spreads_between_mazes_not_samples():
     # 4 samples of 64 mazes: every maze solved half the time vs half the mazes always solved.
     even, split = [0.5] * 64, [1.0] * 32 + [0.0] * 32
-    assert maze_mean_interval(even) == (0.5, 0.5)  # no maze-to-maze spread
-    low, high = maze_mean_interval(split)
+    assert item_mean_interval(even) == (0.5, 0.5)  # no maze-to-maze spread
+    low, high = item_mean_interval(split)
     assert low < 0.5 < high and high - low == pytest.approx(2 * 1.96 * (0.5039 / 8), abs=1e-3)
-    assert maze_mean_interval([1.0]) == (0.0, 1.0)
+    assert item_mean_interval([1.0]) == (0.0, 1.0)
 
 
 def test_sampled_eval_is_reproducible_and_leaves_the_training_rng_alone(tmp_path):
@@ -78,13 +86,14 @@ def test_sampled_eval_is_reproducible_and_leaves_the_training_rng_alone(tmp_path
 
     init = build_tiny_vlm(tmp_path / "tiny", seed=0)
     model, processor = AutoModelForImageTextToText.from_pretrained(str(init)), AutoProcessor.from_pretrained(str(init))
-    mazes = ds.MazeSet("maze_2d/test5", 5, (0, 1, 2))
+    task = MazeTask(MazeTask.Options(eval_size=5, answer_length=6))
+    task.eval_items = lambda source: [maze_item(m) for m in ds.MazeSet(source, 5, (0, 1, 2)).mazes()]
     torch.manual_seed(7)
     rng = torch.get_rng_state()
-    first = evaluate(model, processor, mazes, 6, samples=3, temperature=1.0)
+    first = evaluate(model, processor, task, "maze_2d/test5", samples=3, temperature=1.0)
     assert torch.equal(torch.get_rng_state(), rng)
-    again = evaluate(model, processor, mazes, 6, samples=3, temperature=1.0)
-    greedy_only = evaluate(model, processor, mazes, 6)
+    again = evaluate(model, processor, task, "maze_2d/test5", samples=3, temperature=1.0)
+    greedy_only = evaluate(model, processor, task, "maze_2d/test5")
     assert first.sampled_rate == again.sampled_rate and 0.0 <= first.sampled_rate <= 1.0
     assert first.sampled_ci95[0] <= first.sampled_rate <= first.sampled_ci95[1]
     assert greedy_only.sampled_rate is None and greedy_only.rows == first.rows
@@ -122,9 +131,9 @@ def test_local_grpo_run_lands_in_mlflow(test_config, mlflow_client, tmp_path):
     local = config.training.local
     local.num_generations, local.prompts_per_step = 4, 2
     local.ckpt_interval = local.eval_interval = 2
-    local.max_completion_tokens = 8
+    config.task.options = {"answer_length": 8}
     local.eval_samples = 2
-    config.tracking.sample_mazes, config.tracking.sample_groups = 5, 1
+    config.tracking.sample_items, config.tracking.sample_groups = 5, 1
     config.tracking.sample_train_every = 3
     config.tracking.system_metrics_interval_s = 1.0
     result = train(config, tmp_path / "run", steps=4, budget_s=600, fast=True, log=lambda _: None)
@@ -133,8 +142,11 @@ def test_local_grpo_run_lands_in_mlflow(test_config, mlflow_client, tmp_path):
     assert result.before == result.curve[0][1] and 0.0 <= result.after <= 1.0
     run = mlflow_client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
-    source = ds.local_eval_set(local.eval_size).data_source
-    assert run.data.params["eval_layout_sha256"] == ds.layout_digest(ds.local_eval_set(local.eval_size).mazes())
+    task = config.load_task()
+    source = task.eval_sets()[0]
+    assert source == "maze_2d/local7" and run.data.tags["rlops.task"] == "tasks.maze:MazeTask"
+    assert run.data.params["task.answer_length"] == "8" and run.data.params["task.eval_size"] == "7"
+    assert run.data.params["eval_layout_sha256"] == task.items_digest(task.eval_items(source))
     rewards = mlflow_client.get_metric_history(result.run_id, "reward/avg_raw_reward")
     assert sorted(m.step for m in rewards) == [1, 2, 3, 4]
     evals = mlflow_client.get_metric_history(result.run_id, f"eval/{source}/avg_score")
@@ -161,11 +173,11 @@ def test_local_grpo_run_lands_in_mlflow(test_config, mlflow_client, tmp_path):
         assert {"adapter_config.json", "adapter_model.safetensors"} <= files
 
     # datasets as inputs, and each linked eval metric names its eval set (MLflow's dataset filter)
-    eval_sha256 = ds.layout_digest(ds.local_eval_set(local.eval_size).mazes())
-    train_sha256 = ds.layout_digest(grpo_mazes(config))
+    eval_sha256 = task.items_digest(task.eval_items(source))
+    train_sha256 = task.items_digest(task.train_items(GRPO_PROMPTS))
     inputs = {(i.dataset.name, i.dataset.digest, {t.key: t.value for t in i.tags}["mlflow.data.context"])
               for i in run.inputs.dataset_inputs}
-    assert inputs == {(source, eval_sha256[:36], "eval"), (source, train_sha256[:36], "training")}
+    assert inputs == {(source, eval_sha256[:36], "eval"), ("maze_2d/train", train_sha256[:36], "training")}
     assert run.data.params["train_layout_sha256"] == train_sha256
     for model in models:
         assert {(m.dataset_name, m.dataset_digest) for m in model.metrics} == {(source, eval_sha256[:36])}
@@ -177,8 +189,8 @@ def test_local_grpo_run_lands_in_mlflow(test_config, mlflow_client, tmp_path):
     # rollouts to look at: a bounded table with images per eval, a grid image, GRPO groups per log step
     for step in (0, 2, 4):
         table = logged_table(mlflow_client, result.run_id, f"eval/samples/step_{step}.json", tmp_path / f"t{step}")
-        assert [r["seed"] for r in table] == list(ds.local_eval_set(local.eval_size).seeds[:5])
-        assert {"image", "prompt", "completion", "moves", "reward", "solved"} <= set(table[0])
+        assert [r["id"] for r in table] == [str(seed) for seed in ds.local_eval_set(7).seeds[:5]]
+        assert {"image", "prompt", "completion", "moves", "reward", "passed"} <= set(table[0])
         images = {a.path for a in mlflow_client.list_artifacts(result.run_id, f"table_images/eval/samples/step_{step}")}
         assert {r["image"]["filepath"] for r in table} <= images
     assert {a.path for a in mlflow_client.list_artifacts(result.run_id, "eval/samples")} == {
@@ -209,7 +221,7 @@ def _tiny_local(config):
     local = config.training.local
     local.num_generations, local.prompts_per_step = 4, 2
     local.ckpt_interval = local.eval_interval = 2
-    local.max_completion_tokens = 8
+    config.task.options = {"answer_length": 8}
     local.eval_samples = 0
     return config
 
@@ -222,7 +234,7 @@ def test_rerun_on_one_run_dir_continues_the_run_without_duplicate_steps(test_con
     from training import local_trainer
 
     config, run_dir = _tiny_local(test_config), tmp_path / "run"
-    source = ds.local_eval_set(config.training.local.eval_size).data_source
+    source = config.load_task().eval_sets()[0]
     crash_after_logging = local_trainer.QuietProgressCallback.on_log
 
     def crash_at_step_3(self, args, state, control, logs=None, **kwargs):  # after the tracker logged step 3

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rlops.config import Config
-from training import datasets as ds
+from tasks.maze import datasets as ds
 from training import skyrl_main
 from training.skyrl_main import build_skyrl_config, recipe_overrides, runtime_env
 from training.tiny_vlm import build_tiny_vlm
@@ -51,7 +51,11 @@ def test_datasets_load_through_skyrl_and_feed_the_env(skyrl_data):
 
     from transformers import AutoProcessor
 
-    from training.skyrl_env import register_visgym_env
+    from tasks.maze import MazeTask
+    from training.skyrl_main import register_skyrl_env
+
+    def register_visgym_env():
+        register_skyrl_env(MazeTask(MazeTask.Options()))
 
     tokenizer = AutoProcessor.from_pretrained(str(skyrl_data["model"])).tokenizer
     eval_set = PromptDataset(datasets=[str(skyrl_data["datasets"] / "skyrl" / "eval.parquet")], tokenizer=tokenizer,

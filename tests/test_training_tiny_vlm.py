@@ -15,7 +15,7 @@ from PIL import Image
 from transformers import AutoProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
 from rlops.config import Config
-from training.local_trainer import TINY_INIT_MARKER, ensure_tiny_init
+from training.base import TINY_INIT_MARKER, ensure_tiny_init
 from training.tiny_vlm import IMAGE_SIDE_PX, build_tiny_vlm
 
 # Head sizes vLLM 0.29's CPU attention backend supports (vllm/v1/attention/backends/cpu_attn.py).
@@ -106,14 +106,14 @@ def test_vision_cache_gives_the_towers_own_features_and_encodes_each_image_once(
     import torch
     from transformers import Qwen3VLForConditionalGeneration
 
-    from training import datasets as ds
-    from training.local_trainer import maze_image
+    from tasks.maze import MazeTask
+    from training.evaluation import pil_image
     from training.vision_cache import VisionCache
 
     model = Qwen3VLForConditionalGeneration.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
     processor = AutoProcessor.from_pretrained(str(tiny_dir))
-    mazes = ds.local_eval_set(7).mazes()[:3]
-    images = [maze_image(m) for m in mazes for _ in range(4)]  # GRPO's repeated prompts: 3 distinct images
+    items = MazeTask(MazeTask.Options()).eval_items("maze_2d/local7")[:3]
+    images = [pil_image(it) for it in items for _ in range(4)]  # GRPO's repeated prompts: 3 distinct images
     pixels = processor.image_processor(images=images, return_tensors="pt")
     with torch.no_grad():
         plain = model.model.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"])

@@ -27,7 +27,7 @@ IMAGE_COLUMN = "image"
 GROUP_COLUMN = "group"
 TILE_PX = 96
 BORDER_PX = 4
-SOLVED_RGB, FAILED_RGB, NEUTRAL_RGB = (40, 160, 60), (200, 40, 40), (128, 128, 128)
+PASSED_RGB, FAILED_RGB, NEUTRAL_RGB = (40, 160, 60), (200, 40, 40), (128, 128, 128)
 MAX_QUEUED = 8
 ATTEMPTS = 4
 
@@ -60,16 +60,16 @@ def as_image(value: Any):
     return value if hasattr(value, "save") else Image.fromarray(value)
 
 
-def grid_image(images: list, solved: list[bool | None]):
-    """The rows' images side by side, framed green (solved), red (not) or gray (unknown)."""
+def grid_image(images: list, passed: list[bool | None]):
+    """The rows' images side by side, framed green (passed), red (not) or gray (unknown)."""
     from PIL import Image
 
     columns = max(1, math.ceil(math.sqrt(len(images))))
     rows = max(1, math.ceil(len(images) / columns))
     cell = TILE_PX + 2 * BORDER_PX
     grid = Image.new("RGB", (columns * cell, rows * cell), (255, 255, 255))
-    for i, (image, ok) in enumerate(zip(images, solved)):
-        colour = NEUTRAL_RGB if ok is None else (SOLVED_RGB if ok else FAILED_RGB)
+    for i, (image, ok) in enumerate(zip(images, passed)):
+        colour = NEUTRAL_RGB if ok is None else (PASSED_RGB if ok else FAILED_RGB)
         frame = Image.new("RGB", (cell, cell), colour)
         frame.paste(image.convert("RGB").resize((TILE_PX, TILE_PX), Image.NEAREST), (BORDER_PX, BORDER_PX))
         grid.paste(frame, ((i % columns) * cell, (i // columns) * cell))
@@ -158,5 +158,5 @@ class SampleUploader:
         if f"{name}.json" not in landed:  # log_table appends to a table that landed before a retry
             self._client.log_table(self._run_id, columns, f"{folder}/{name}.json")
         if images and f"{name}.png" not in landed:
-            solved = [row.get("solved") for row in rows]
-            self._client.log_image(self._run_id, grid_image(images, solved), artifact_file=f"{folder}/{name}.png")
+            passed = [row.get("passed") for row in rows]
+            self._client.log_image(self._run_id, grid_image(images, passed), artifact_file=f"{folder}/{name}.png")

@@ -288,7 +288,7 @@ class RunSession:
         return step > self.resumed_after_step and step % self.config.tracking.sample_train_every == 0
 
     def log_samples(self, rows: list[dict], step: int, *, kind: str = "eval") -> int:
-        """Log a bounded sample of answers (`tracking.sample_mazes` eval rows, or the rows of the first
+        """Log a bounded sample of answers (`tracking.sample_items` eval rows, or the rows of the first
         `tracking.sample_groups` GRPO groups for kind="train", at steps divisible by
         `tracking.sample_train_every`) as `<eval|train>/samples/step_<N>.json`
         with an image column (`image`: PIL image, HxWx3 array, or a callable rendering one) and a grid
@@ -298,7 +298,7 @@ class RunSession:
         if kind not in KINDS:
             raise ValueError(f"sample kind must be one of {', '.join(KINDS)}, got {kind!r}")
         check_rows(rows)
-        limit = self.config.tracking.sample_mazes if kind == "eval" else self.config.tracking.sample_groups
+        limit = self.config.tracking.sample_items if kind == "eval" else self.config.tracking.sample_groups
         rows = bounded(rows, kind, limit)
         if not rows or self._samples is None or (kind == "train" and not self.train_samples_due(step)):
             return 0

@@ -7,7 +7,7 @@ on resume), (c) log every payload a second time, synchronously, and (d) end the 
 `Tracking.finish()`/`__del__` even after a crash. Metrics reach MLflow once, through `on_log`.
 
 At each eval, `on_eval_end` reads the trajectories SkyRL's evaluate() dumped (`trainer.dump_eval_results`):
-the eval table registration compares, and the first `tracking.sample_mazes` of them as the run's sample
+the eval table registration compares, and the first `tracking.sample_items` of them as the run's sample
 table (`eval/samples/step_N.json` + grid), with the task's own columns (`task_columns`) first. In a Ray job,
 system metrics are per node (`tracker.ray_nodes`).
 
@@ -35,6 +35,7 @@ from skyrl.train.utils.callbacks import TrainingCallback
 from skyrl.train.utils.tracking import Tracking, _compute_mlflow_params_from_objects
 
 from rlops.config import Config
+from rlops.eval_table import LEGACY_ID
 from rlops.layout import ADAPTER_CONFIG, TAG_BASE_MODEL, TAG_LORA_RANK
 from tracker import ray_nodes
 from tracker import state as tracker_state
@@ -47,7 +48,7 @@ EVAL_PREFIX = "eval/"
 BLOCKING_METRIC = "tracker/blocking_s"
 SAMPLE_TEXT_CHARS = 4000
 REPEATED_SPECIAL_TOKEN = re.compile(r"(<\|[^|<>]{1,40}\|>)(?:\1)+")
-# A task's own sample columns from one dumped eval trajectory (the maze's: training.skyrl_env.eval_sample_columns)
+# A task's own sample columns from one dumped eval trajectory (`Task.skyrl_sample_columns`)
 TaskColumns = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
 
@@ -214,10 +215,10 @@ class TrackerCallback(TrainingCallback):
         # the eval table too, which registration compares with the base's (the step-0 eval)
         for data_source, rows in dumped_eval_rows(entries).items():
             self.session.log_eval_table(data_source, rows, step)
-        # what the policy answered: the first `sample_mazes` trajectories (the session bounds it too; slicing
+        # what the policy answered: the first `sample_items` trajectories (the session bounds it too; slicing
         # first keeps the task columns' work on this thread to that many)
         try:
-            samples = eval_samples(entries[:self.session.config.tracking.sample_mazes], self.task_columns)
+            samples = eval_samples(entries[:self.session.config.tracking.sample_items], self.task_columns)
             if samples:
                 self.session.log_samples(samples, step=step)
         except Exception as exc:  # noqa: BLE001 - samples are for looking at: never a reason to stop training
@@ -236,7 +237,7 @@ def dumped_evals(export_path: str | None, step: int) -> list[dict]:
     """The trajectories of the eval SkyRL dumped at `step` (`trainer.dump_eval_results`, on by default:
     `<export_path>/dumped_evals/global_step_<step>_evals/<data_source>.jsonl`, one entry per trajectory:
     decoded `input_prompt` and `output_response`, `score`, `env_extras`, `data_source`). Entries without
-    a maze seed are skipped, and so is the aggregated-metrics file (no data source)."""
+    an item id are skipped, and so is the aggregated-metrics file (no data source)."""
     folder = Path(export_path or "") / "dumped_evals" / f"global_step_{step}_evals"
     if not export_path or "://" in str(export_path) or not folder.is_dir():
         return []
@@ -244,15 +245,18 @@ def dumped_evals(export_path: str | None, step: int) -> list[dict]:
     for path in sorted(folder.glob("*.jsonl")):
         for line in path.read_text().splitlines():
             entry = json.loads(line) if line.strip() else {}
-            if "data_source" in entry and entry_seed(entry) is not None:
+            if "data_source" in entry and entry_id(entry) is not None:
                 entries.append(entry)
     return entries
 
 
-def entry_seed(entry: Mapping[str, Any]) -> int | None:
+def entry_id(entry: Mapping[str, Any]) -> str | None:
+    """The eval item's id in the dataset row's `extra_info` (`id`; datasets written before tasks had ids
+    carry a `seed`, the same value)."""
     extras = entry.get("env_extras") or {}
-    seed = (extras.get("extra_info") or extras).get("seed")
-    return None if seed is None else int(seed)
+    info = extras.get("extra_info") or extras
+    item = info.get("id", info.get(LEGACY_ID))
+    return None if item is None else str(item)
 
 
 def entry_reward(entry: Mapping[str, Any]) -> float:
@@ -262,13 +266,13 @@ def entry_reward(entry: Mapping[str, Any]) -> float:
 
 
 def dumped_eval_rows(entries: list[dict]) -> dict[str, list[dict]]:
-    """Eval-table rows (rlops.eval_table) of dumped eval trajectories, by data source: id = the item's seed,
+    """Eval-table rows (rlops.eval_table) of dumped eval trajectories, by data source: id = the item's id,
     score = its reward, passed when the reward is 1 (a verifiable task's full reward)."""
     rows: dict[str, list[dict]] = {}
     for entry in entries:
         reward = entry_reward(entry)
         rows.setdefault(entry["data_source"], []).append(
-            {"id": entry_seed(entry), "passed": reward >= 1.0, "score": reward, "extras": {}})
+            {"id": entry_id(entry), "passed": reward >= 1.0, "score": reward, "extras": {}})
     return rows
 
 
@@ -280,16 +284,16 @@ def readable(text: Any) -> str:
 
 
 def eval_samples(entries: list[dict], task_columns: TaskColumns | None) -> list[dict]:
-    """Sample-table rows of dumped eval trajectories: prompt, completion, reward, solved, seed and data
-    source, with the task's own columns first (`task_columns(entry)`: e.g. the maze image and the
-    parsed moves; the same keys for every entry)."""
+    """Sample-table rows of dumped eval trajectories: id, prompt, completion, reward, passed and data
+    source, with the task's own columns first (`task_columns(entry)`, `Task.skyrl_sample_columns`: e.g.
+    an image and how the task read the turns; the same keys for every entry)."""
     rows = []
     for entry in entries:
         reward = entry_reward(entry)
-        rows.append({**(task_columns(entry) if task_columns else {}), "seed": entry_seed(entry),
+        rows.append({**(task_columns(entry) if task_columns else {}), "id": entry_id(entry),
                      "prompt": readable(entry.get("input_prompt")),
                      "completion": readable(entry.get("output_response")),
-                     "reward": reward, "solved": reward >= 1.0, "data_source": entry["data_source"]})
+                     "reward": reward, "passed": reward >= 1.0, "data_source": entry["data_source"]})
     return rows
 
 

@@ -87,7 +87,7 @@ class DryRunResult:
 
 def prepare(folder: Path, steps: int) -> tuple[Path, Path]:
     """The tiny Qwen3-VL and a few maze rows (train: steps x batch, eval: EVAL_ROWS), under `folder`."""
-    from training import datasets as ds
+    from tasks.maze import datasets as ds
     from training.tiny_vlm import build_tiny_vlm
 
     model = folder / "tiny-qwen3-vl"

@@ -20,6 +20,7 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from rlops.config import Config, find_config_file, is_secret_key, load_config, mask_value, ray_client_env
+from rlops.task import Task, TaskError
 
 # Forwarded to the Ray job. Ray shows a runtime env on its Jobs page, in job info and in its logs, so no
 # credential goes there: the Ray nodes have them in their own environment (the Secret refs of
@@ -140,15 +141,26 @@ def build_skyrl_config(overrides: Sequence[str]):
     return cfg
 
 
+def register_skyrl_env(task: Task) -> None:
+    """Register the task's multi-turn env with skyrl-gym under its id (idempotent)."""
+    from skyrl_gym.envs import register
+    from skyrl_gym.envs.registration import registry
+
+    if not (task.skyrl_env_id and task.skyrl_env_entry_point):
+        raise TaskError(f"task {task.name} has no SkyRL env (skyrl_env_id and skyrl_env_entry_point unset)")
+    if task.skyrl_env_id not in registry:
+        register(id=task.skyrl_env_id, entry_point=task.skyrl_env_entry_point)
+
+
 def run_experiment(cfg, config: Config, register_best: bool = True) -> dict[str, str]:
     """Inside the Ray task: register the env, then run the tracked experiment; returns its MLflow run.
     `register_best` False leaves the registry alone (a dry run)."""
     from tracker.skyrl import TrackedPPOExp
-    from training.skyrl_env import eval_sample_columns, register_visgym_env
 
-    register_visgym_env()
+    task = config.load_task()
+    register_skyrl_env(task)
     exp = TrackedPPOExp(cfg, config, eval_data_source=config.training.eval_data_source,
-                        task_columns=eval_sample_columns, register_best=register_best)
+                        task_columns=task.skyrl_sample_columns, register_best=register_best)
     exp.run()
     return {"run_id": exp.session.run_id, "experiment_id": exp.session.experiment_id}
 

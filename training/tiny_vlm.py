@@ -14,7 +14,7 @@ SPECIAL_TOKENS = [
     "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
 ]
 UNK_TOKEN = "[UNK]"
-# Every word of the maze prompts, actions and feedback (training.maze); anything else maps to [UNK].
+# Every word of the maze prompts, actions and feedback (tasks.maze.env); anything else maps to [UNK].
 WORDS = [
     "system", "user", "assistant",
     "right", "up", "left", "down", "stop", "move",

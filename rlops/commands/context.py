@@ -9,6 +9,7 @@ from typing import Callable, Iterator
 import click
 
 from rlops.config import Config, ConfigError, load_config
+from rlops.task import Task, TaskError
 
 
 class CliContext:
@@ -29,6 +30,14 @@ class CliContext:
 
 
 pass_ctx = click.make_pass_decorator(CliContext)
+
+
+def load_task(obj: CliContext) -> Task:
+    """The configured task, or a usage error naming the `task` key and what is wrong."""
+    try:
+        return obj.config.load_task()
+    except TaskError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @contextmanager

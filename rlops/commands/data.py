@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from rlops.commands.context import CliContext, pass_ctx
+from rlops.commands.context import CliContext, load_task, pass_ctx
 
 
 @click.group("data")
@@ -27,11 +27,15 @@ def data_build(obj: CliContext, out_dir: str | None, skyrl_train_count: int, loc
                heldout_count: int) -> None:
     """Write SkyRL parquet rows (train + the fixed eval set: seeds 0-63 of maze_2d/easy) and the local
     trainer's sets; print each eval set's layout hash."""
-    from training.datasets import DatasetSpec, build_datasets
+    from tasks.maze import MazeTask
+    from tasks.maze.datasets import DatasetSpec, build_datasets
 
+    task = load_task(obj)
+    if not isinstance(task, MazeTask):
+        raise click.ClickException(f"rlops data build writes the maze's SkyRL datasets; task.path is {obj.config.task.path}")
     root = Path(out_dir) if out_dir else obj.config.data_path / "datasets"
-    spec = DatasetSpec(skyrl_train_count=skyrl_train_count, local_sizes=tuple(obj.config.training.local.maze_sizes),
-                       local_eval_size=obj.config.training.local.eval_size, local_train_count=local_train_count,
+    spec = DatasetSpec(skyrl_train_count=skyrl_train_count, local_sizes=tuple(task.options.train_sizes),
+                       local_eval_size=task.options.eval_size, local_train_count=local_train_count,
                        heldout_count=heldout_count)
     try:
         manifest = build_datasets(root, spec)

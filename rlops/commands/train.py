@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from rlops.commands.context import CliContext, machine_output, pass_ctx
+from rlops.commands.context import CliContext, load_task, machine_output, pass_ctx
 
 
 @click.group("base")
@@ -19,12 +19,13 @@ def base_group() -> None:
 @base_group.command("build")
 @pass_ctx
 def base_build(obj: CliContext) -> None:
-    """Build the tiny offline Qwen3-VL and SFT-warm-start it on BFS-optimal answers (cached in the data
-    dir; a set `training.local.base_model` is only checked against this machine)."""
-    from training.local_trainer import TrainingError, ensure_base
+    """Build the tiny offline Qwen3-VL and SFT-warm-start it on the task's demonstrations (cached in the
+    data dir; a set `training.local.base_model` is only checked against this machine)."""
+    from training.base import TrainingError, ensure_base
 
+    task = load_task(obj)
     try:
-        path = ensure_base(obj.config, log=click.echo)
+        path = ensure_base(obj.config, task, log=click.echo)
     except TrainingError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"base model: {path}")
@@ -54,7 +55,7 @@ def base_build(obj: CliContext) -> None:
 @pass_ctx
 def train(obj: CliContext, local: bool, dry_run: bool, steps: int | None, budget_s: float | None,
           run_dir: str | None, resume: bool | None, run_name: str | None, fast: bool, as_json: bool) -> None:
-    """Train a LoRA adapter with GRPO on the maze task and register the best checkpoint (alias `candidate`)."""
+    """Train a LoRA adapter with GRPO on the configured task and register the best checkpoint (alias `candidate`)."""
     if dry_run:
         if local:
             raise click.UsageError("--local and --skyrl-dry-run are two different trainers: pick one")
@@ -63,13 +64,14 @@ def train(obj: CliContext, local: bool, dry_run: bool, steps: int | None, budget
         raise click.ClickException(
             "the production job runs on a Ray cluster: submit it with `bash training/train_job.sh` "
             "(see its header); use `rlops train --local` to train on this machine")
-    from training.local_trainer import TrainingError
+    from training.base import TrainingError
     from training.local_trainer import train as run_training
 
     from tracker.lock import RunDirBusy
 
     if resume is not None and not run_dir:
         raise click.UsageError("--resume and --new-run need --run-dir (the default is a new folder)")
+    load_task(obj)  # a wrong task.path or task.options fails here, before anything is built
     folder = Path(run_dir) if run_dir else obj.config.data_path / "runs" / time.strftime("%Y%m%d-%H%M%S")
     with machine_output(as_json) as emit:
         try:
@@ -85,7 +87,7 @@ def train(obj: CliContext, local: bool, dry_run: bool, steps: int | None, budget
     for label, points in (("greedy", result.curve), ("sampled pass@1", result.sampled_curve)):
         if points:
             curve = ", ".join(f"{step}: {rate:.3f}" for step, rate in points)
-            click.echo(f"eval {result.eval_data_source} {label} solve rate by step: {curve}")
+            click.echo(f"eval {result.eval_data_source} {label} pass rate by step: {curve}")
     if result.registration_refused:
         click.echo(f"registered version: none: {result.registration_refused}")
         return

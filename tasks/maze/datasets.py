@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from training.maze import LEVEL_SIZES, Maze, answer_text, generate_maze, solve
+from tasks.maze.env import LEVEL_SIZES, Maze, answer_text, generate_maze, solve
 
 ENV_CLASS = "visgym"
 EVAL_SEEDS = range(0, 64)
@@ -122,7 +122,7 @@ def skyrl_row(maze: Maze, data_source: str, split: str) -> dict:
         "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": USER_PROMPT}],
         "env_class": ENV_CLASS,
         "reward_spec": {"method": "rule", "ground_truth": answer_text(solve(maze))},
-        "extra_info": {"split": split, "seed": maze.seed, "size": maze.size,
+        "extra_info": {"split": split, "id": str(maze.seed), "seed": maze.seed, "size": maze.size,
                        "layout": json.dumps(maze.layout(), sort_keys=True)},
     }
 

@@ -1,35 +1,18 @@
-"""The maze as a SkyRL-gym multi-turn env, registered as `visgym` (the id SkyRL's VisGym recipe uses).
+"""The maze as a SkyRL-gym multi-turn env, registered as `visgym` (the id SkyRL's VisGym recipe
+uses) from `MazeTask.skyrl_env_id`.
 
 Each turn the model answers one action; the env replies with the new image and VisGym's feedback text
 as the next user message. Reward comes only at the end: 1.0 for stopping on the target.
 """
 from __future__ import annotations
 
-import base64
-import functools
-import io
 import json
-from typing import Any, Mapping
+from typing import Any
 
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
-from training.datasets import ENV_CLASS
-from training.maze import DIRECTION_WORDS, STOP, MazeEpisode, generate_maze, parse_action, render
-
-ENTRY_POINT = "training.skyrl_env:VisGymMazeEnv"
-# Qwen's chat format (the recipe's Qwen3-VL, the tiny test VLM): a multi-turn response SkyRL decodes holds
-# each assistant turn, its end token, the env's observation, then the next turn's assistant header.
-ASSISTANT_HEADER = "<|im_start|>assistant\n"
-TURN_END = "<|im_end|>"
-
-
-def image_data_url(image) -> str:
-    """An RGB array as an OpenAI `image_url` data URL (PNG)."""
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+from rlops.task import image_data_url
+from tasks.maze.env import MazeEpisode, generate_maze
 
 
 def image_message(image, text: str) -> dict:
@@ -74,33 +57,3 @@ class VisGymMazeEnv(BaseTextEnv):
         return {"solved": float(self.episode.solved), "steps": self.episode.steps,
                 "invalid_actions": self.episode.invalid_actions, "wall_bumps": self.episode.wall_bumps,
                 "final_distance": self.episode.distance_to_goal()}
-
-
-def register_visgym_env() -> None:
-    """Register the env with skyrl-gym as `visgym` (idempotent)."""
-    from skyrl_gym.envs import register
-    from skyrl_gym.envs.registration import registry
-
-    if ENV_CLASS not in registry:
-        register(id=ENV_CLASS, entry_point=ENTRY_POINT)
-
-
-def assistant_turns(response: str) -> list[str]:
-    """The assistant's text of each turn of a decoded multi-turn response (observations left out)."""
-    return [piece.split(TURN_END, 1)[0].strip() for piece in response.split(ASSISTANT_HEADER)]
-
-
-def eval_sample_columns(entry: Mapping[str, Any]) -> dict[str, Any]:
-    """The maze's columns of a sample-table row of one dumped SkyRL eval trajectory (the tracker's
-    `task_columns`): the policy's turns replayed as the env stepped them, as moves (`?` for an answer that
-    is no action) and the maze with the agent where they left it (rendered later, on the sample thread)."""
-    info = (entry.get("env_extras") or {}).get("extra_info") or {}
-    maze = generate_maze(int(info["seed"]), int(info["size"]))
-    episode, moves = MazeEpisode(maze), []
-    for turn in assistant_turns(str(entry.get("output_response") or "")):
-        if episode.done:
-            break
-        action = parse_action(turn)
-        moves.append("?" if action is None else "stop" if action == STOP else DIRECTION_WORDS[action[1]])
-        episode.step(turn)
-    return {"image": functools.partial(render, maze, episode.agent), "moves": " ".join(moves)}
