@@ -22,6 +22,7 @@ import httpx
 from rlops import processes, stack
 from rlops.config import Config, serving_api_key
 from rlops.layout import RoutesManifest, parse_s3_uri
+from rlops.task import task_path
 
 HOOKS_SECRET_FILE = "hooks-secret"
 SERVE_READY_TIMEOUT_S = 300.0
@@ -128,9 +129,24 @@ def _endpoint_ready(base_url: str, wanted: str, version: int | None, api_key: st
     return httpx.post(f"{base_url}/chat/completions", json=body, headers=headers, timeout=5).status_code == 200
 
 
-def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
+def for_task(config: Config, name: str) -> tuple[Config, dict[str, str]]:
+    """`rlops demo --task NAME`: the config on another task (its default options), with its own experiment
+    and registered model (`<name>-grpo`), and the same as env overrides for the stages' processes."""
+    path = task_path(name)
+    short = path.rsplit(":", 1)[0].rsplit(".", 1)[-1]
+    updated = config.model_copy(deep=True)
+    updated.task.path, updated.task.options = path, {}
+    updated.tracking.experiment, updated.tracking.registered_model = f"{short}-grpo", None
+    updated.registry.models = [f"{short}-grpo"]
+    env = {"RLOPS_TASK__PATH": path, "RLOPS_TASK__OPTIONS": "{}", "RLOPS_TRACKING__EXPERIMENT": f"{short}-grpo",
+           "RLOPS_REGISTRY__MODELS": f"[{short}-grpo]"}
+    return updated, env
+
+
+def run_demo(config: Config, *, fast: bool, config_path: str | None = None, env: dict[str, str] | None = None,
              echo: Callable[[str], None] = print) -> DemoSummary:
-    """Run every stage; raise DemoError naming the failed stage. Leaves the stack, hooks and serving up."""
+    """Run every stage; raise DemoError naming the failed stage. Leaves the stack, hooks and serving up.
+    `env` (for_task's overrides) reaches every process a stage starts."""
     from training import base as base_model
     from training import local_trainer
 
@@ -154,7 +170,7 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None,
         echo(f"    base model: {base}")
     # Promotion checks adapters against the served base, and serving loads it: both use the trained-on base.
     config = config.model_copy(update={"serving": config.serving.model_copy(update={"model_source": str(base)})})
-    base_env = {"RLOPS_SERVING__MODEL_SOURCE": str(base)}
+    base_env = {**(env or {}), "RLOPS_SERVING__MODEL_SOURCE": str(base)}
     # Serving needs only the base: its start (vLLM's engine, minutes on a small machine) overlaps training.
     serve_record = _start_serving(config, config_path, base_url, base_env, echo)
 
@@ -264,7 +280,7 @@ def where_to_look(config: Config, summary: DemoSummary) -> str:
 Where to look
   MLflow UI            {config.tracking_uri}
     runs to compare:   Experiments > {config.tracking.experiment} (select runs > Compare)
-    solve-rate chart:  run {summary.run_id} > Model metrics > eval/.../avg_score
+    pass-rate chart:   run {summary.run_id} > Model metrics > eval/.../avg_score
     registry:          Models > {model} (aliases production, staging, candidate)
   Endpoint             {base_url}  (model "{name}", or "{name}@staging", "{name}@v<N>")
     curl {base_url}/chat/completions -H 'Content-Type: application/json' \\

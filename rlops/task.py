@@ -16,6 +16,7 @@ import inspect
 import io
 import json
 import random
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
@@ -124,6 +125,15 @@ class Task(ABC):
             digest.update(json.dumps([item.id, item.target], sort_keys=True, separators=(",", ":")).encode())
             digest.update(b"\n")
         return digest.hexdigest()
+
+
+def task_path(name: str) -> str:
+    """An import path, or a shipped task's name: `shapes` -> `tasks.shapes:ShapesTask`, `maze` -> `tasks.maze:MazeTask`."""
+    if ":" in name:
+        return name
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise TaskError(f"task {name!r}: give a shipped task's name (e.g. maze, shapes) or 'package.module:ClassName'")
+    return f"tasks.{name}:{''.join(part.title() for part in name.split('_'))}Task"
 
 
 def load_task(path: str, options: Mapping[str, Any] | None = None) -> Task:

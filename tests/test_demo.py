@@ -1,4 +1,6 @@
-"""End to end: `rlops demo --fast` from a clean data dir, checked from outside (MLflow, boto3, openai)."""
+"""End to end: `rlops demo --fast --task shapes` from a clean data dir, checked from outside (MLflow, boto3,
+openai). The second task is the proof that the Task seam holds: it trains, tracks, registers, promotes,
+serves and verifies through the same code as the maze, with nothing outside tasks/shapes/ knowing it."""
 from __future__ import annotations
 
 import json
@@ -12,14 +14,15 @@ from mlflow import MlflowClient
 
 from rlops.layout import parse_s3_uri, routes_key, version_folder
 from rlops.processes import free_port
+from tracker.evals import table_artifact
 
 from conftest import write_config
 
 pytestmark = pytest.mark.slow
 
 
-def test_demo_fast_runs_the_whole_loop(stack, tmp_path, unique_name):
-    model = f"demo-{unique_name}"
+def test_demo_fast_runs_the_whole_loop_on_the_second_task(stack, tmp_path, unique_name):
+    model = "shapes-grpo"  # --task shapes: its own experiment and registered model
     data_dir = tmp_path / "data"
     serving_port, hooks_port = free_port(), free_port()
     path = write_config(tmp_path / "mlflow.yaml", {
@@ -27,7 +30,7 @@ def test_demo_fast_runs_the_whole_loop(stack, tmp_path, unique_name):
         "tracking": {"experiment": f"demo-{unique_name}"},
         "server": {"port": stack.config.server.port},
         "storage": {"endpoint_url": stack.config.storage.endpoint_url, "bucket": stack.config.storage.bucket},
-        "registry": {"models": [model]},
+        "registry": {"models": [f"demo-{unique_name}"]},
         "serving": {"port": serving_port, "dynamic_lora_loading_path": f"s3://{stack.config.storage.bucket}/lora-{unique_name}"},
         "hooks": {"port": hooks_port},
     })
@@ -36,7 +39,7 @@ def test_demo_fast_runs_the_whole_loop(stack, tmp_path, unique_name):
     env.pop("RLOPS_DATA_DIR", None)
     started = time.monotonic()
     try:
-        out = subprocess.run([sys.executable, "-m", "rlops", "demo", "--fast", "--json"], env=env,
+        out = subprocess.run([sys.executable, "-m", "rlops", "demo", "--fast", "--task", "shapes", "--json"], env=env,
                              capture_output=True, text=True, timeout=600)
         elapsed = time.monotonic() - started
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -45,8 +48,12 @@ def test_demo_fast_runs_the_whole_loop(stack, tmp_path, unique_name):
 
         client = MlflowClient(stack.tracking_uri)
         run = client.get_run(summary["run_id"])
-        assert run.info.status == "FINISHED"
-        assert any(k.startswith("eval/") and k.endswith("/avg_score") for k in run.data.metrics)
+        assert run.info.status == "FINISHED" and run.data.tags["rlops.task"] == "tasks.shapes:ShapesTask"
+        assert "eval/shapes/count/avg_score" in run.data.metrics
+        assert client.get_experiment(run.info.experiment_id).name == "shapes-grpo"
+        rows = json.loads(Path(client.download_artifacts(run.info.run_id, table_artifact("shapes/count", 0),
+                                                         str(tmp_path))).read_text())
+        assert rows["columns"][:4] == ["id", "passed", "score", "extras"] and len(rows["data"]) == 64
         checkpoints = client.search_logged_models(experiment_ids=[run.info.experiment_id],
                                                   filter_string=f"source_run_id='{run.info.run_id}'")
         assert checkpoints, "no LoRA checkpoint was logged as a LoggedModel"
@@ -67,7 +74,7 @@ def test_demo_fast_runs_the_whole_loop(stack, tmp_path, unique_name):
 
         openai_client = OpenAI(base_url=f"http://127.0.0.1:{serving_port}/v1", api_key="none")
         raw = openai_client.chat.completions.with_raw_response.create(
-            model=f"visgym-qwen3vl:{model}", messages=[{"role": "user", "content": "right"}], max_tokens=4, temperature=0)
+            model=f"visgym-qwen3vl:{model}", messages=[{"role": "user", "content": "3"}], max_tokens=4, temperature=0)
         assert raw.http_response.status_code == 200
         assert raw.headers["x-rlops-model-version"] == production.version
         assert raw.parse().model == f"visgym-qwen3vl:{model}"
@@ -75,7 +82,10 @@ def test_demo_fast_runs_the_whole_loop(stack, tmp_path, unique_name):
         # Parity: the served greedy answers on the fixed eval set agree with the tracked eval (fp32).
         parity = summary["parity"]
         assert parity["version"] == int(production.version) and parity["items"] == 64 and parity["matching"] >= 63
-        verify = subprocess.run([str(Path(sys.executable).parent / "promote"), "verify", model, "--json"], env=env,
+        assert parity["task"] == "tasks.shapes:ShapesTask" and parity["data_source"] == "shapes/count"
+        # promote verify reads the task from the version's run: the config file still names the maze
+        verify = subprocess.run([str(Path(sys.executable).parent / "promote"), "verify", model, "--json"],
+                                env={**env, "RLOPS_REGISTRY__MODELS": f"[{model}]"},
                                 capture_output=True, text=True, timeout=300)
         report = json.loads(verify.stdout)
         assert verify.returncode == (0 if report["matching"] == report["items"] else 7), verify.stderr
@@ -90,7 +100,7 @@ def test_demo_fast_runs_the_whole_loop(stack, tmp_path, unique_name):
         from rlops.processes import read_record
 
         serve_pid = read_record(data_dir, "serve").pid
-        again = subprocess.run([sys.executable, "-m", "rlops", "demo", "--fast", "--json"], env=env,
+        again = subprocess.run([sys.executable, "-m", "rlops", "demo", "--fast", "--task", "shapes", "--json"], env=env,
                                capture_output=True, text=True, timeout=600)
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
         second = json.loads(again.stdout)
