@@ -50,6 +50,15 @@ class ConfigError(ValueError):
     """A configuration problem, with a message that names the file and the key."""
 
 
+def _refuse_keys(data: Any, section: str, why: Mapping[str, str]) -> Any:
+    """A `mode="before"` check: a key that was removed or moved fails with what to use instead."""
+    if isinstance(data, dict):
+        for key, message in why.items():
+            if key in data:
+                raise ValueError(f"{section}.{key} {message}")
+    return data
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -87,9 +96,7 @@ class TrackingConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _renamed_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "sample_mazes" in data:
-            raise ValueError("tracking.sample_mazes is now tracking.sample_items (any task's eval items)")
-        return data
+        return _refuse_keys(data, "tracking", {"sample_mazes": "is now tracking.sample_items (any task's eval items)"})
 
 
 class ServerConfig(_Section):
@@ -230,14 +237,10 @@ class ServingConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _removed_keys(cls, data: Any) -> Any:
-        removed = {"engine": "the engine is always vLLM; serving.accelerator picks cpu or gpu",
-                   "cpu_threads": "vLLM sizes its own threads; use serving.replica_cpus",
-                   "default_max_tokens": "vLLM's default is the rest of the context; clients set max_tokens"}
-        if isinstance(data, dict):
-            for key, why in removed.items():
-                if key in data:
-                    raise ValueError(f"serving.{key} was removed: {why}")
-        return data
+        return _refuse_keys(data, "serving", {
+            "engine": "was removed: the engine is always vLLM; serving.accelerator picks cpu or gpu",
+            "cpu_threads": "was removed: vLLM sizes its own threads; use serving.replica_cpus",
+            "default_max_tokens": "was removed: vLLM's default is the rest of the context; clients set max_tokens"})
 
 
 class LocalTrainingConfig(_Section):
@@ -268,14 +271,11 @@ class LocalTrainingConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _moved_keys(cls, data: Any) -> Any:
-        moved = {"maze_sizes": "task.options.train_sizes", "eval_size": "task.options.eval_size",
-                 "sft_optimal_fraction": "task.options.optimal_demonstrations", "reward": "task.options.reward",
-                 "max_completion_tokens": "task.options.answer_length"}
-        if isinstance(data, dict):
-            for key, where in moved.items():
-                if key in data:
-                    raise ValueError(f"training.local.{key} moved to {where} (the default task's settings)")
-        return data
+        return _refuse_keys(data, "training.local", {
+            key: f"moved to {where} (the default task's settings)" for key, where in (
+                ("maze_sizes", "task.options.train_sizes"), ("eval_size", "task.options.eval_size"),
+                ("sft_optimal_fraction", "task.options.optimal_demonstrations"), ("reward", "task.options.reward"),
+                ("max_completion_tokens", "task.options.answer_length"))})
 
 
 class TrainingConfig(_Section):
