@@ -125,7 +125,7 @@ def test_dry_run_killed_after_a_checkpoint_resumes_the_same_run(stack, test_conf
     result = run_dry_run(test_config, folder, steps=STEPS)
     run = mlflow_client.get_run(result.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["rlops.resumes"] == "1"
-    assert run.data.tags["rlops.trainer"] == "skyrl"
+    assert run.data.tags["rlops.trainer"] == "skyrl" and run.data.tags["rlops.task"] == "tasks.maze:MazeTask"
     assert len(mlflow_client.search_runs([result.experiment_id])) == 1  # the restart continued, no new run
     # every step once, across the kill (the resumed trainer starts after its checkpoint)
     for key in ("policy/policy_loss", "reward/avg_raw_reward", "timing/step", BLOCKING_METRIC):

@@ -37,6 +37,7 @@ from skyrl.train.utils.tracking import Tracking, _compute_mlflow_params_from_obj
 from rlops.config import Config
 from rlops.eval_table import LEGACY_ID
 from rlops.layout import ADAPTER_CONFIG, TAG_BASE_MODEL, TAG_LORA_RANK
+from rlops.task import TAG_TASK
 from tracker import ray_nodes
 from tracker import state as tracker_state
 from tracker.session import RunSession
@@ -386,7 +387,8 @@ class TrackedPPOExp(BasePPOExp):
         tracking = self.rlops_config.tracking
         nodes, here = ray_nodes.cluster() if tracking.system_metrics else ([], None)
         self.session = RunSession.start(self.rlops_config, self.run_dir, params=skyrl_params(self.cfg),
-                                        tags=skyrl_tags(self.cfg) | ray_nodes.node_tags(nodes),
+                                        tags=skyrl_tags(self.cfg) | ray_nodes.node_tags(nodes) |
+                                        {TAG_TASK: self.rlops_config.task.path},  # what `promote verify` scores with
                                         run_name=self.cfg.trainer.run_name, resume=resume_policy(self.cfg),
                                         system_node_id=here)
         self.node_monitors = ray_nodes.NodeMonitors.start(
