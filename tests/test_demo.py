@@ -88,6 +88,7 @@ def test_demo_fast_runs_the_whole_loop_on_the_second_task(stack, tmp_path, uniqu
                                 env={**env, "RLOPS_REGISTRY__MODELS": f"[{model}]"},
                                 capture_output=True, text=True, timeout=300)
         report = json.loads(verify.stdout)
+        assert "matching" in report, verify.stdout + verify.stderr[-2000:]
         assert verify.returncode == (0 if report["matching"] == report["items"] else 7), verify.stderr
         assert report["served_pass_rate"] == parity["served_pass_rate"]
         logged = client.get_logged_model(production.model_id or production.source.removeprefix("models:/"))
