@@ -19,7 +19,7 @@ from typing import Annotated, Any, Iterable, Literal, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlops.layout import is_valid_alias, is_valid_name
 from rlops.task import DEFAULT_EXPERIMENT, DEFAULT_MODEL, DEFAULT_TASK, Task, load_task
