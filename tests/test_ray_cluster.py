@@ -7,6 +7,7 @@ job API or session dir."""
 from __future__ import annotations
 
 import collections
+import re
 import subprocess
 import sys
 import threading
