@@ -712,6 +712,8 @@ def test_canary_splits_by_weight_sticky_per_client_and_flips_without_5xx(served:
         with contextlib.suppress(operations.NotFound):  # no canary left to drop
             canary(abort=True)
         served.move_alias("production", 1)
+        # the next test (in any order) asks production right away: let the ingress see the abort first
+        time.sleep(2 * served.config.serving.routes_staleness_s)
 
 
 def test_watcher_aborts_a_failing_canary_within_the_window(served: ServedApp, stack):
