@@ -158,7 +158,9 @@ def ray_records(client, temp_dir: Path) -> dict[str, str]:
     its session dir (logs, runtime_env records, job tables), by where it was found."""
     jobs = client.list_jobs()
     shown = {"job list": json.dumps([j.__dict__ for j in jobs], default=str)}
-    for job in jobs:
+    # a driver job (a Serve app's, a plain `ray.init`) has no submission id and no logs on the job API: its
+    # record is the job list entry above
+    for job in (j for j in jobs if j.submission_id):
         shown[f"job info {job.submission_id}"] = json.dumps(client.get_job_info(job.submission_id).__dict__, default=str)
         shown[f"job logs {job.submission_id}"] = client.get_job_logs(job.submission_id)
     for path in Path(temp_dir).rglob("*"):
