@@ -37,11 +37,11 @@ def completion_text(completion: Any) -> str:
                     else " ".join(p.get("text", "") for p in m.get("content") or []) for m in completion)
 
 
-def sample_row(task: Task, item: TaskItem, answer: str, outcome: Outcome) -> dict:
+def sample_row(task: Task, item: TaskItem, answer: str, outcome: Outcome, reward: float) -> dict:
     """One row of a sample table: the item's image (rendered later, off the training thread), the answer,
     how the task read it and what it scored."""
     return {"image": item.image, "id": item.id, "prompt": item.text, "completion": answer,
-            **task.sample_columns(item, answer), "reward": task.reward(item, answer), "passed": outcome.passed}
+            **task.sample_columns(item, answer), "reward": reward, "passed": outcome.passed}
 
 
 @dataclass
@@ -121,7 +121,8 @@ def evaluate(model, processor, task: Task, data_source: str, samples: int = 0, t
     outcomes = [task.score(it, a) for it, a in zip(items, answers)]
     passed = sum(o.passed for o in outcomes)
     result = EvalResult(data_source, passed / len(items), wilson_interval(passed, len(items)), [o.row() for o in outcomes],
-                        samples=[sample_row(task, it, a, o) for it, a, o in zip(items, answers, outcomes)])
+                        samples=[sample_row(task, it, a, o, task.reward(it, a))
+                                 for it, a, o in zip(items, answers, outcomes)])
     if samples > 0:
         repeated = [it for it in items for _ in range(samples)]
         answers = generate_answers(model, processor, repeated, task.answer_length, temperature=temperature)

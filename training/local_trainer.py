@@ -160,8 +160,8 @@ def group_rows(task: Task, items: list[TaskItem], completions: list[str], reward
         mean, std = sum(group) / len(group), statistics.stdev(group) if len(group) > 1 else 0.0
         for i in range(start, start + group_size):
             outcome = task.score(items[i], completions[i])
-            rows.append({"group": start // group_size, **sample_row(task, items[i], completions[i], outcome),
-                         "reward": rewards[i], "advantage": (rewards[i] - mean) / (std + 1e-4)})
+            rows.append({"group": start // group_size, **sample_row(task, items[i], completions[i], outcome, rewards[i]),
+                         "advantage": (rewards[i] - mean) / (std + 1e-4)})
     return rows
 
 
