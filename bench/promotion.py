@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _results import record  # noqa: E402
 from _scratch import scratch_stack  # noqa: E402
 
-from registry_hooks import sync_model  # noqa: E402
+from registry_hooks.sync import sync_model  # noqa: E402
 from registry_hooks.registry import artifact_s3_location  # noqa: E402
 from rlops import stack  # noqa: E402
 from rlops.config import s3_client_kwargs  # noqa: E402

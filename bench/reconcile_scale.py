@@ -33,7 +33,8 @@ from _results import record  # noqa: E402
 from _scratch import scratch_stack  # noqa: E402
 from promotion import MODEL, register, write_adapter  # noqa: E402
 
-from registry_hooks import registry, storage, sync_model  # noqa: E402
+from registry_hooks import registry, storage  # noqa: E402
+from registry_hooks.sync import sync_model  # noqa: E402
 from registry_hooks.reconcile import ManifestCache, run_pass  # noqa: E402
 from registry_hooks.sync import Promoter  # noqa: E402
 from rlops.layout import AliasRoute, HistoryEntry, RoutesManifest, utc_now, version_folder  # noqa: E402

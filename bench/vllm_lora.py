@@ -81,7 +81,7 @@ def register(config, client, folder: Path) -> int:
 
 
 def move(config, client, alias: str, version: int) -> None:
-    from registry_hooks import sync_model
+    from registry_hooks.sync import sync_model
 
     client.set_registered_model_alias(MODEL, alias, str(version))
     sync_model(config, MODEL, trigger="bench")

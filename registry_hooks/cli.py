@@ -27,13 +27,14 @@ import json
 import os
 import sys
 from contextlib import contextmanager
-from typing import Iterator, Mapping, NoReturn
+from typing import TYPE_CHECKING, Iterator, Mapping, NoReturn
 
 import click
 
-from registry_hooks import operations
-from registry_hooks.sync import PromotionError, SyncReport, sync_model
-from rlops.config import Config, ConfigError, load_config, serving_api_key
+if TYPE_CHECKING:
+    from rlops.config import Config
+    from registry_hooks.operations import LiveGate
+    from registry_hooks.sync import SyncReport
 
 EXIT_DRIFT = 6
 EXIT_PARITY = 7
@@ -63,6 +64,9 @@ def actor(config: Config, environ: Mapping[str, str] = os.environ) -> str:
 
 @contextmanager
 def handled(as_json: bool) -> Iterator[None]:
+    from registry_hooks.sync import PromotionError
+    from rlops.config import ConfigError
+
     try:
         yield
     except PromotionError as exc:
@@ -81,6 +85,8 @@ def _fail(message: str, code: int, as_json: bool) -> NoReturn:
 
 
 def _config(ctx: click.Context, as_json: bool) -> Config:
+    from rlops.config import ConfigError, load_config
+
     try:
         return load_config(ctx.obj)
     except ConfigError as exc:
@@ -143,18 +149,24 @@ def endpoint_of(config: Config) -> str:
     return f"http://{config.serving.host}:{config.serving.port}"
 
 
-def live_gate(config: Config, verify: bool, endpoint: str | None, timeout_s: float) -> operations.LiveGate | None:
-    return operations.LiveGate(endpoint or endpoint_of(config), serving_api_key(config), timeout_s) if verify else None
+def live_gate(config: Config, verify: bool, endpoint: str | None, timeout_s: float) -> LiveGate | None:
+    from registry_hooks.operations import LiveGate
+    from rlops.config import serving_api_key
+
+    return LiveGate(endpoint or endpoint_of(config), serving_api_key(config), timeout_s) if verify else None
 
 
 def wait_for(config: Config, report: SyncReport, alias: str, *, canary: bool, timeout_s: float) -> None:
     """--wait: poll /v1/models until the alias (or its canary) is listed at what the sync published."""
+    from registry_hooks.operations import wait_served
+    from rlops.config import serving_api_key
+
     version = report.canaries.get(alias, {}).get("version") if canary else report.served.get(alias)
     if version is None:
         return  # nothing to wait for (a dropped canary): the report says what is served
     name = f"{config.serving.base_model_id}:{report.model}@{alias}"
-    seconds = operations.wait_served(endpoint_of(config), name, version, canary=canary, timeout_s=timeout_s,
-                                     api_key=serving_api_key(config))
+    seconds = wait_served(endpoint_of(config), name, version, canary=canary, timeout_s=timeout_s,
+                          api_key=serving_api_key(config))
     report.warnings.append(f"the endpoint lists {name} at v{version}{' as canary' if canary else ''} "
                            f"after {seconds:g} s")
 
@@ -193,6 +205,8 @@ def main(ctx: click.Context, config_path: str | None) -> None:
 def to_command(ctx, model, to_alias, version, from_alias, force, reason, verify, endpoint, wait, wait_timeout, dry_run,
                as_json) -> None:
     """promote MODEL (--version N | --from ALIAS) --to ALIAS"""
+    from registry_hooks import operations
+
     config = _config(ctx, as_json)
     with handled(as_json), progress_bar(not as_json) as progress:
         report = operations.promote(config, model, to_alias=to_alias, version=version, from_alias=from_alias,
@@ -222,6 +236,8 @@ def to_command(ctx, model, to_alias, version, from_alias, force, reason, verify,
 def canary_command(ctx, model, alias, version, weight, promote_it, abort, force, reason, verify, endpoint, wait,
                    wait_timeout, dry_run, as_json) -> None:
     """Send W percent of ALIAS's clients (sticky per client) to version N; then --promote or --abort."""
+    from registry_hooks import operations
+
     config = _config(ctx, as_json)
     if version is not None and weight is None:
         _fail("--version needs --weight W (percent)", 2, as_json)
@@ -242,6 +258,8 @@ def canary_command(ctx, model, alias, version, weight, promote_it, abort, force,
 @click.pass_context
 def history_command(ctx, model, alias, as_json) -> None:
     """Every published move: when, from -> to, canary weight, trigger, actor, reason, eval figure."""
+    from registry_hooks import operations
+
     config = _config(ctx, as_json)
     with handled(as_json):
         entries = operations.history(config, model, alias=alias)
@@ -272,6 +290,8 @@ def history_command(ctx, model, alias, as_json) -> None:
 @click.pass_context
 def rollback_command(ctx, model, alias, reason, wait, wait_timeout, dry_run, as_json) -> None:
     """Move ALIAS back to the version it served before, then sync."""
+    from registry_hooks import operations
+
     config = _config(ctx, as_json)
     alias = alias or config.registry.default_alias
     with handled(as_json), progress_bar(not as_json) as progress:
@@ -289,6 +309,8 @@ def rollback_command(ctx, model, alias, reason, wait, wait_timeout, dry_run, as_
 def sync_command(ctx, model, as_json) -> None:
     """Make serving match the registry now, for MODEL or every configured model (the history credits each
     move to whoever made it: this command only publishes)."""
+    from registry_hooks.sync import sync_model
+
     config = _config(ctx, as_json)
     reports = []
     with handled(as_json):
@@ -308,6 +330,8 @@ def sync_command(ctx, model, as_json) -> None:
 @click.pass_context
 def retire_command(ctx, model, dry_run, as_json) -> None:
     """Stop serving MODEL (not in registry.models any more): unpublish its routes manifest, keep its folders."""
+    from registry_hooks import operations
+
     config = _config(ctx, as_json)
     with handled(as_json):
         record = operations.retire(config, model, actor=actor(config), dry_run=dry_run)
@@ -325,6 +349,8 @@ def retire_command(ctx, model, dry_run, as_json) -> None:
 @click.pass_context
 def list_command(ctx, model, as_json) -> None:
     """Aliases (registry vs served), versions, folders and eval metrics."""
+    from registry_hooks import operations
+
     config = _config(ctx, as_json)
     with handled(as_json):
         models = operations.list_models(config, model)
@@ -348,6 +374,8 @@ def list_command(ctx, model, as_json) -> None:
 @click.pass_context
 def status_command(ctx, as_json) -> None:
     """Drift between registry and served manifests, refusals, and the reconciler's health. Exit 6 on drift."""
+    from registry_hooks import operations
+
     config = _config(ctx, as_json)
     with handled(as_json):
         state = operations.status(config)
@@ -383,6 +411,8 @@ def status_command(ctx, as_json) -> None:
 @click.pass_context
 def gc_command(ctx, dry_run, as_json) -> None:
     """Delete version folders nothing names any more (marked collected first; `@vN` then answers 404)."""
+    from registry_hooks import operations
+
     config = _config(ctx, as_json)
     with handled(as_json):
         report = operations.gc(config, dry_run=dry_run)
@@ -409,6 +439,7 @@ def gc_command(ctx, dry_run, as_json) -> None:
 def verify_command(ctx, model, alias, version, endpoint, as_json) -> None:
     """Send the version's fixed eval set through the endpoint (greedy) and compare with the tracked eval."""
     from registry_hooks.parity import verify_served
+    from rlops.config import serving_api_key
 
     config = _config(ctx, as_json)
     if alias is None and version is None:

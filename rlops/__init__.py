@@ -1,4 +1,3 @@
-"""rlops: configuration, the embedded stack supervisor and the CLI of the RL post-training MLOps backbone."""
-from rlops.config import Config, ConfigError, load_config
-
-__all__ = ["Config", "ConfigError", "load_config"]
+"""rlops: configuration (`rlops.config`), the task contract (`rlops.task`), the embedded stack supervisor and
+the CLI of the RL post-training MLOps backbone. Nothing is imported here, so the CLI parses before pydantic
+builds the config models."""

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import sys
 
-import click
-import yaml
+from typing import TYPE_CHECKING
 
-from rlops import stack
+import click
+
 from rlops.commands.context import CliContext, pass_ctx
-from rlops.config import masked_dict
+
+if TYPE_CHECKING:
+    from rlops.stack import PartStatus
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -29,10 +31,14 @@ def config_group() -> None:
 @pass_ctx
 def config_show(obj: CliContext) -> None:
     """Print the effective config (file + RLOPS_* overrides + defaults), secrets masked."""
+    import yaml
+
+    from rlops.config import masked_dict
+
     click.echo(yaml.safe_dump(masked_dict(obj.config), sort_keys=False).rstrip())
 
 
-def _print_status(parts: list[stack.PartStatus]) -> None:
+def _print_status(parts: list[PartStatus]) -> None:
     for part in parts:
         state = "healthy" if part.healthy else ("running, unhealthy" if part.running else "down")
         origin = "" if part.managed else " (external)"
@@ -45,6 +51,8 @@ def _print_status(parts: list[stack.PartStatus]) -> None:
 def up(obj: CliContext, timeout: float) -> None:
     """Start MLflow, the S3 server (managed parts only) and, with ray.nodes >= 1, a local Ray cluster; wait
     until all are healthy."""
+    from rlops import stack
+
     try:
         parts = stack.up(obj.config, timeout_s=timeout)
     except stack.StackError as exc:
@@ -65,6 +73,8 @@ def up(obj: CliContext, timeout: float) -> None:
 def down(obj: CliContext) -> None:
     """Stop everything rlops started from this data dir (stack, serving, hooks), and nothing else. The MLflow
     webhook that points at this config's local hooks service goes with it (a dead one delays every delivery)."""
+    from rlops import stack
+
     config = obj.config
     if stack.mlflow_healthy(config.tracking_uri):
         from mlflow.exceptions import MlflowException
@@ -86,6 +96,8 @@ def down(obj: CliContext) -> None:
 @pass_ctx
 def status(obj: CliContext) -> None:
     """Report each part of the stack; exit 1 if a managed part is not healthy."""
+    from rlops import stack
+
     parts = stack.status(obj.config)
     _print_status(parts)
     if stack.mlflow_healthy(obj.config.tracking_uri):

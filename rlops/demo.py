@@ -244,7 +244,8 @@ def _promote(config: Config, config_path: str | None, model: str, version: int, 
     """Staging through the webhook path (a plain MLflow client moves the alias), production via promote."""
     from mlflow import MlflowClient
 
-    from registry_hooks import Refused, promote
+    from registry_hooks.operations import promote
+    from registry_hooks.sync import Refused
     from registry_hooks.subscriptions import register_webhook
 
     secret = _hooks_secret(config)

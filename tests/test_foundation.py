@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -107,6 +108,32 @@ def test_cli_config_error_is_one_clear_message(tmp_path):
     out = run_cli(["up"], dict(os.environ, RLOPS_CONFIG=str(path)))
     assert out.returncode == 1
     assert "storage.bucket" in out.stderr and str(path) in out.stderr and "Traceback" not in out.stderr
+
+
+HEAVY_MODULES = ("pydantic", "mlflow", "boto3", "httpx", "torch", "transformers", "ray", "serving", "training", "tracker")
+
+
+def test_cli_help_and_usage_errors_answer_before_heavy_imports():
+    """`--help` and a usage error are parsed before MLflow, boto3 or torch load (each took seconds): the two
+    console scripts answer in < 0.5 s, the median of three calls so one scheduler hiccup on 2 cores is not it."""
+    scripts = Path(sys.executable).parent
+    calls = {"rlops --help": [scripts / "rlops", "--help"], "promote --help": [scripts / "promote", "--help"],
+             "promote typo": [scripts / "promote", "stauts"], "promote canary": [scripts / "promote", "canary"],
+             "rlops train --bogus": [scripts / "rlops", "train", "--bogus"],
+             "rlops runs flush": [scripts / "rlops", "runs", "flush"]}
+    for label, argv in calls.items():
+        seconds = []
+        for _ in range(3):
+            started = time.monotonic()
+            proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=60)
+            seconds.append(time.monotonic() - started)
+        assert proc.returncode == (0 if label.endswith("--help") else 2), (label, proc.stderr)
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert sorted(seconds)[1] < 0.5, f"{label}: {sorted(seconds)} s"
+    loaded = subprocess.run([sys.executable, "-c", "import sys, rlops.cli, registry_hooks.cli; "
+                             "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"],
+                            capture_output=True, text=True, check=True).stdout.split()
+    assert not set(HEAVY_MODULES) & set(loaded), set(HEAVY_MODULES) & set(loaded)
 
 
 # ------------------------------------------------------------------------------------------------- stack

@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from registry_hooks import NotFound, sync_model
+from registry_hooks.sync import NotFound, sync_model
 from registry_hooks.sync import Promoter
 from rlops.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, version_folder
 

@@ -15,7 +15,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from registry_hooks import operations, sync_model
+from registry_hooks import operations
+from registry_hooks.sync import sync_model
 from registry_hooks.operations import gc
 from registry_hooks.sync import Promoter, Refused
 from rlops.layout import ModelNotFound, parse_s3_uri, routes_key, version_folder

@@ -10,7 +10,7 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError
 
-from registry_hooks import sync_model
+from registry_hooks.sync import sync_model
 from rlops import stack as rlops_stack
 from rlops.config import load_config, s3_credentials, s3_environment
 from rlops.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, RoutesManifest, parse_s3_uri, routes_key, version_folder

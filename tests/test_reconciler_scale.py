@@ -10,7 +10,7 @@ from collections import Counter
 import mlflow.utils.rest_utils as rest_utils
 import pytest
 
-from registry_hooks import sync_model
+from registry_hooks.sync import sync_model
 from registry_hooks.reconcile import ManifestCache, run_pass
 from registry_hooks.registry import name_filters
 from registry_hooks.sync import Promoter

