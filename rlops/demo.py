@@ -3,8 +3,9 @@
 stack up -> base model -> GRPO + LoRA training tracked in MLflow (best checkpoint registered),
 while the endpoint starts on the base -> staging via the webhook path (a plain MLflow client moves the alias) -> production via `promote`
 -> the Ray Serve endpoint (Ray's vLLM engine) serves it: `promote verify` checks the served greedy pass rate
-against the tracked one, then one eval item of the task is answered through the official openai client.
-Everything it starts is recorded in the data dir, so `rlops down` stops it; a re-run reuses what exists.
+against the tracked one, then the base answers the same items (the lift: both solve counts), and one item
+goes through the official openai client. The terminal gets one line per stage; details and library output
+go to the demo's log. Everything it starts is recorded in the data dir, so `rlops down` stops it; a re-run reuses what exists.
 """
 from __future__ import annotations
 
@@ -15,14 +16,16 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import httpx
 
 from rlops import processes, stack
+from rlops.chat_client import ChatClient
 from rlops.config import Config, serving_api_key
 from rlops.layout import RoutesManifest, parse_s3_uri
-from rlops.task import task_path
+from rlops.task import Task, task_path
+from rlops.terminal import Terminal
 
 HOOKS_SECRET_FILE = "hooks-secret"
 SERVE_READY_TIMEOUT_S = 300.0
@@ -44,6 +47,7 @@ class DemoSummary:
     served_version: str | None = None
     parity: dict | None = None  # promote verify's report on the production version
     registration_refused: str | None = None  # why the run registered nothing (it did not beat its base)
+    lift: dict | None = None  # base and production solve counts on the same eval items (lift_line)
     answer: str = ""
     passed: bool | None = None
     urls: dict[str, str] = field(default_factory=dict)
@@ -52,25 +56,41 @@ class DemoSummary:
         return dict(self.__dict__)
 
 
-class Progress:
-    """Prints one line per stage start and end, and records its duration."""
+class Stage:
+    """One stage's line: `note` is what it says once done; `detail` goes to the log (the terminal with -v)."""
 
-    def __init__(self, total: int, summary: DemoSummary, echo: Callable[[str], None]):
-        self.total, self.summary, self.echo, self.index = total, summary, echo, 0
+    def __init__(self, head: str, terminal: Terminal):
+        self.head, self.terminal, self.note = head, terminal, "done"
+
+    def live(self, text: str) -> None:
+        self.terminal.live(f"{self.head}: {text}")
+
+    @staticmethod
+    def detail(text: str) -> None:
+        print(f"    {text}", flush=True)
+
+
+class Progress:
+    """One line per stage on the terminal, rewritten in place while it runs, and its duration recorded."""
+
+    def __init__(self, total: int, summary: DemoSummary, terminal: Terminal):
+        self.total, self.summary, self.terminal, self.index = total, summary, terminal, 0
 
     @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
+    def stage(self, name: str) -> Iterator[Stage]:
         self.index += 1
-        self.echo(f"[{self.index}/{self.total}] {name} ...")
+        stage = Stage(f"[{self.index}/{self.total}] {name}", self.terminal)
+        stage.live("...")
+        stage.detail(f"{stage.head} ...")
         started = time.monotonic()
         try:
-            yield
+            yield stage
         except Exception:
-            self.echo(f"[{self.index}/{self.total}] {name} FAILED after {time.monotonic() - started:.1f} s")
+            self.terminal.line(f"{stage.head}: FAILED after {time.monotonic() - started:.1f} s")
             raise
         seconds = time.monotonic() - started
         self.summary.stages[name] = round(seconds, 1)
-        self.echo(f"[{self.index}/{self.total}] {name}: done in {seconds:.1f} s")
+        self.terminal.line(f"{stage.head}: {stage.note} ({seconds:.1f} s)")
 
 
 def _child_env(config: Config, config_path: str | None, extra: dict[str, str]) -> dict[str, str]:
@@ -85,16 +105,16 @@ def _start_cli(config: Config, name: str, args: list[str], env: dict[str, str]) 
     return processes.start(config.data_path, name, [sys.executable, "-m", "rlops", *args], env)
 
 
-def _start_serving(config: Config, config_path: str | None, base_url: str, base_env: dict[str, str],
-                   echo: Callable[[str], None]) -> processes.ProcessRecord | None:
+def _start_serving(config: Config, config_path: str | None, base_url: str,
+                   base_env: dict[str, str]) -> processes.ProcessRecord | None:
     """Start `rlops serve` in the background unless an endpoint is already up; its record, if any."""
     record = processes.read_record(config.data_path, "serve")
     if record is not None and record.process() is not None:
         return record
     if stack.http_ok(f"{base_url}/models"):
-        echo(f"    reusing the endpoint already running at {base_url}")
+        Stage.detail(f"reusing the endpoint already running at {base_url}")
         return None
-    echo(f"    starting the endpoint at {base_url} in the background (log: {processes.log_dir(config.data_path) / 'serve.log'})")
+    Stage.detail(f"starting the endpoint at {base_url} in the background (log: {processes.log_path(config.data_path, 'serve')})")
     return _start_cli(config, "serve", ["serve"], _child_env(config, config_path, base_env))
 
 
@@ -143,8 +163,8 @@ def for_task(config: Config, name: str) -> tuple[Config, dict[str, str]]:
     return updated, env
 
 
-def run_demo(config: Config, *, fast: bool, config_path: str | None = None, env: dict[str, str] | None = None,
-             echo: Callable[[str], None] = print) -> DemoSummary:
+def run_demo(config: Config, *, fast: bool, terminal: Terminal, config_path: str | None = None,
+             env: dict[str, str] | None = None) -> DemoSummary:
     """Run every stage; raise DemoError naming the failed stage. Leaves the stack, hooks and serving up.
     `env` (for_task's overrides) reaches every process a stage starts."""
     from training import base as base_model
@@ -152,55 +172,56 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None, env:
 
     task = config.load_task()
     summary = DemoSummary()
-    progress = Progress(7, summary, echo)
+    progress = Progress(7, summary, terminal)
     model = config.registered_model
     base_url = f"http://{config.serving.host}:{config.serving.port}/v1"
     api_key = serving_api_key(config)  # with serving.api_keys_env set, the demo's client sends the first key
     summary.urls = {"mlflow_ui": config.tracking_uri, "endpoint": base_url, "s3": config.storage.endpoint_url or ""}
 
-    with progress.stage("stack: MLflow server + S3"):
+    with progress.stage("stack: MLflow server + S3") as stage:
         if stack.mlflow_healthy(config.tracking_uri) and stack.s3_healthy(config):
             stack.ensure_bucket(config)
-            echo(f"    reusing the running stack at {config.tracking_uri}")
+            stage.note = f"reusing the running stack at {config.tracking_uri}"
         else:
             stack.up(config)
+            stage.note = f"MLflow at {config.tracking_uri}, S3 at {config.storage.endpoint_url}"
 
-    with progress.stage("base model" + (" (tiny base, no SFT)" if fast else " (SFT warm start, cached)")):
-        base = base_model.ensure_tiny_init(config) if fast else base_model.ensure_base(config, task, log=echo)
-        echo(f"    base model: {base}")
+    with progress.stage("base model" + (" (tiny base, no SFT)" if fast else " (SFT warm start, cached)")) as stage:
+        base = base_model.ensure_tiny_init(config) if fast else base_model.ensure_base(config, task, log=stage.detail)
+        stage.note = str(base)
     # Promotion checks adapters against the served base, and serving loads it: both use the trained-on base.
     config = config.model_copy(update={"serving": config.serving.model_copy(update={"model_source": str(base)})})
     base_env = {**(env or {}), "RLOPS_SERVING__MODEL_SOURCE": str(base)}
     # Serving needs only the base: its start (vLLM's engine, minutes on a small machine) overlaps training.
-    serve_record = _start_serving(config, config_path, base_url, base_env, echo)
+    serve_record = _start_serving(config, config_path, base_url, base_env)
 
-    with progress.stage("GRPO + LoRA training, tracked in MLflow"):
+    with progress.stage("GRPO + LoRA training, tracked in MLflow") as stage:
         run_dir = config.data_path / "runs" / time.strftime("%Y%m%d-%H%M%S")
         if fast:  # the plumbing check: greedy evals only (sampled pass@1 of the random-init base says nothing)
             local = config.training.local.model_copy(update={"eval_samples": 0})
             config = config.model_copy(update={"training": config.training.model_copy(update={"local": local})})
         result = local_trainer.train(config, run_dir, fast=fast, steps=FAST_STEPS if fast else None,
-                                     log=lambda line: echo(f"    {line}"))
+                                     log=stage.detail, report=lambda p: stage.live(p.line()))
         summary.run_id, summary.version = result.run_id, result.registered_version
         summary.pass_rate_before, summary.pass_rate_after = result.before, result.after
         summary.registration_refused = result.registration_refused
         outcome = (f"{result.registration_refused}; production keeps its current version"
-                   if result.registration_refused else f"registered {model} v{result.registered_version}"
-                   + (f": it beat the base, {result.registration_evidence}" if result.registration_evidence else ""))
+                   if result.registration_refused else f"registered {model} v{result.registered_version}")
+        stage.detail(f"registration: {result.registration_evidence or outcome}")
         best = f" (best {result.best[1]} at step {result.best[0]})" if result.best and result.best[1] != result.after else ""
-        echo(f"    run {result.run_id}: {result.steps} steps, {result.eval_data_source} pass rate "
-             f"{result.before} -> {result.after}{best}; {outcome}")
+        stage.note = (f"run {result.run_id}: {result.steps} steps, {result.eval_data_source} pass rate "
+                      f"{result.before} -> {result.after}{best}; {outcome}")
         if result.registered_version is None and not result.registration_refused:
             raise DemoError("training registered no checkpoint (no eval ran); nothing to promote")
     version = int(result.registered_version) if result.registered_version is not None else None
 
-    with progress.stage("promotion: staging via webhook, production via promote"):
+    with progress.stage("promotion: staging via webhook, production via promote") as stage:
         if version is None:
-            echo("    skipped: this run registered nothing that beat its base")
+            stage.note = "skipped: this run registered nothing that beat its base"
         else:
-            _promote(config, config_path, model, version, base_env, echo)
+            stage.note = _promote(config, config_path, model, version, base_env)
 
-    with progress.stage("serving: Ray Serve LLM endpoint on vLLM (started beside training)"):
+    with progress.stage("serving: Ray Serve LLM endpoint on vLLM (started beside training)") as stage:
         route = _manifest(config, model).aliases.get("production")
         production = route.version if route is not None else None
         # nothing in production yet (no run beat its base): the endpoint serves the base model alone
@@ -208,40 +229,66 @@ def run_demo(config: Config, *, fast: bool, config_path: str | None = None, env:
         waited = processes.wait_healthy(
             serve_record if serve_record is not None and serve_record.process() is not None else None,
             lambda: _endpoint_ready(base_url, wanted, production, api_key), SERVE_READY_TIMEOUT_S, "endpoint")
-        echo(f"    {base_url} lists {wanted}" + (f" at v{production}" if production else " (no production version)")
-             + f" ({waited:.1f} s)")
+        stage.note = (f"{base_url} lists {wanted}" + (f" at v{production}" if production else " (no production version)")
+                      + f", ready after {waited:.1f} s (log: {processes.log_path(config.data_path, 'serve')})")
 
-    with progress.stage("parity: the served answers against the tracked eval (promote verify)"):
+    with progress.stage("parity: the served answers against the tracked eval (promote verify)") as stage:
         from registry_hooks.parity import verify_served
 
         if production is None:
-            echo("    skipped: no production version")
+            stage.note = "skipped: no production version"
         else:
             report = verify_served(config, model, alias="production", version=None, api_key=api_key,
                                    endpoint=base_url.removesuffix("/v1"))
             summary.parity = report.to_dict()
-            echo(f"    {report.served_name} (v{report.version}): served {report.served:.4f} vs tracked "
-                 f"{report.tracked:.4f} on {report.data_source}; {report.matching}/{report.items} items agree")
+            stage.note = (f"{report.served_name} (v{report.version}): served {report.served:.4f} vs tracked "
+                          f"{report.tracked:.4f} on {report.data_source}; {report.matching}/{report.items} items agree")
 
-    with progress.stage("answer an eval item through the openai client"):
+    with progress.stage("lift: the base and production on the same eval items, through the endpoint") as stage:
+        summary.lift = _lift(config, task, base_url, api_key, summary.parity)
+        stage.note = lift_line(summary.lift, task.name)
+        # one request through the official openai client: what a production client sees
         from openai import OpenAI
 
-        item = task.eval_items(task.eval_sets()[0])[0]
+        item = task.eval_items(summary.lift["data_source"])[0]
         client = OpenAI(base_url=base_url, api_key=api_key or "none")
         raw = client.chat.completions.with_raw_response.create(
             model=wanted, temperature=0, max_tokens=task.answer_length, messages=item.messages())
-        completion = raw.parse()
-        summary.answer = completion.choices[0].message.content or ""
+        summary.answer = raw.parse().choices[0].message.content or ""
         summary.served_version = raw.headers.get("x-rlops-model-version")
         summary.passed = task.score(item, summary.answer).passed
-        echo(f"    model {completion.model} (x-rlops-model-version: {summary.served_version}) answered "
-             f"{summary.answer!r}: {'passes' if summary.passed else 'fails'} {task.name} item {item.id}")
+        stage.detail(f"openai client: {wanted} (x-rlops-model-version: {summary.served_version}) answered "
+                     f"{summary.answer!r} to {task.name} item {item.id}: {'passes' if summary.passed else 'fails'}")
     return summary
 
 
-def _promote(config: Config, config_path: str | None, model: str, version: int, base_env: dict[str, str],
-             echo: Callable[[str], None]) -> None:
-    """Staging through the webhook path (a plain MLflow client moves the alias), production via promote."""
+def _lift(config: Config, task: Task, base_url: str, api_key: str | None, parity: dict | None) -> dict:
+    """Solve counts of the base and of production on the same eval items, both answered by the endpoint
+    (production's are the answers `promote verify` just scored)."""
+    data_source = parity["data_source"] if parity else task.eval_sets()[0]
+    items = task.eval_items(data_source)
+    answers = ChatClient(base_url, api_key).answers(config.serving.base_model_id, items, task.answer_length)
+    lift = {"data_source": data_source, "items": len(items),
+            "base_solved": sum(task.score(it, a).passed for it, a in zip(items, answers)),
+            "production_version": None, "production_solved": None}
+    if parity:
+        lift["production_version"] = parity["version"]
+        lift["production_solved"] = round(parity["served_pass_rate"] * parity["items"])
+    return lift
+
+
+def lift_line(lift: dict, task_name: str) -> str:
+    base = f"base solves {lift['base_solved']}/{lift['items']} {task_name} items of {lift['data_source']}"
+    if lift["production_solved"] is None:
+        return f"{base}; no production version to compare"
+    gained = lift["production_solved"] - lift["base_solved"]
+    return (f"{base}, production v{lift['production_version']} solves {lift['production_solved']}/{lift['items']} "
+            f"({gained:+d})")
+
+
+def _promote(config: Config, config_path: str | None, model: str, version: int, base_env: dict[str, str]) -> str:
+    """Staging through the webhook path (a plain MLflow client moves the alias), production via promote;
+    the stage's line."""
     from mlflow import MlflowClient
 
     from registry_hooks.operations import promote
@@ -264,13 +311,15 @@ def _promote(config: Config, config_path: str | None, model: str, version: int, 
     refused = _manifest(config, model).refused.get("staging")
     if refused is not None and refused.version == version:
         raise DemoError(f"promotion of v{version} to staging was refused: {refused.reason}")
-    echo(f"    webhook path: plain MlflowClient set {model}@staging -> v{version}; "
-         f"manifest published {time.monotonic() - started:.1f} s later")
+    staging = f"staging -> v{version} by the webhook in {time.monotonic() - started:.1f} s"
+    Stage.detail(f"webhook path: plain MlflowClient set {model}@staging -> v{version}; manifest published "
+                 f"{time.monotonic() - started:.1f} s later")
     try:
         report = promote(config, model, to_alias="production", from_alias="staging", trigger="demo")
-        echo(f"    promote {model} --from staging --to production: serving v{report.served.get('production')}")
     except Refused as exc:
-        echo(f"    promote refused (guardrail): {exc}")
+        Stage.detail(f"promote refused (guardrail): {exc}")
+        return f"{staging}; promote refused (guardrail): production keeps its version"
+    return f"{staging}; promote --from staging --to production: serving v{report.served.get('production')}"
 
 
 def where_to_look(config: Config, summary: DemoSummary) -> str:

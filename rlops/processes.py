@@ -50,6 +50,11 @@ def log_dir(data_path: Path) -> Path:
     return data_path / "logs"
 
 
+def log_path(data_path: Path, name: str) -> Path:
+    """Where a process started by rlops (or a command's library output) is logged."""
+    return log_dir(data_path) / f"{name}.log"
+
+
 def _record_path(data_path: Path, name: str) -> Path:
     return run_dir(data_path) / f"{name}.json"
 
@@ -115,10 +120,9 @@ def start(
     cwd: Path | None = None,
 ) -> ProcessRecord:
     """Start `argv` detached in its own session with its own log file, and record it."""
-    logs = log_dir(data_path)
-    logs.mkdir(parents=True, exist_ok=True)
-    log_path = logs / f"{name}.log"
-    with open(log_path, "ab") as log:
+    log_file = log_path(data_path, name)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "ab") as log:
         log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {name}\n".encode())
         log.flush()
         try:
@@ -128,7 +132,7 @@ def start(
             )
         except FileNotFoundError:
             raise ProcessError(f"{name}: executable not found: {argv[0]}") from None
-    record = ProcessRecord(name, proc.pid, psutil.Process(proc.pid).create_time(), list(argv), str(log_path), dict(urls or {}))
+    record = ProcessRecord(name, proc.pid, psutil.Process(proc.pid).create_time(), list(argv), str(log_file), dict(urls or {}))
     write_record(data_path, record)
     return record
 

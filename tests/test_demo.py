@@ -4,6 +4,10 @@ serves and verifies through the same code as the maze, with nothing outside task
 from __future__ import annotations
 
 import json
+import os
+import pty
+import re
+import select
 import subprocess
 import sys
 import time
@@ -19,6 +23,40 @@ from tracker.evals import table_artifact
 from conftest import write_config
 
 pytestmark = pytest.mark.slow
+
+STAGE_LINE = re.compile(r"\[[1-7]/7\] [^\n]+")
+TRAINING_LINE = re.compile(r"\[3/7\] GRPO [^:]+: step \d+/\d+, reward \S+, last eval \S+")
+
+
+def assert_only_stage_lines(terminal: str) -> list[str]:
+    """What the demo wrote to the terminal: its log's path, stage lines (live ones rewritten in place with
+    \\r), and the closing 'Where to look' block; nothing from a library. Returns the fragments."""
+    fragments = [f for f in re.split(r"[\r\n]+", re.sub(r"\x1b\[K", "", terminal)) if f.strip()]
+    closing = next(i for i, f in enumerate(fragments) if f == "Where to look")
+    assert fragments[0].startswith("details and library output: "), fragments[:3]
+    strays = [f for f in fragments[1:closing] if not STAGE_LINE.fullmatch(f)]
+    assert not strays, strays
+    return fragments
+
+
+def run_on_a_terminal(argv: list[str], env: dict, timeout_s: float) -> tuple[subprocess.CompletedProcess, str]:
+    """Run with stderr on a pseudo-terminal (what a user sees: live lines are drawn) and stdout on a pipe."""
+    main, follower = pty.openpty()
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=follower, stdin=subprocess.DEVNULL)
+    os.close(follower)
+    seen, deadline = bytearray(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if select.select([main], [], [], 1)[0]:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # EIO: every writer of the terminal has closed it
+                break
+            if not chunk:
+                break
+            seen += chunk
+    os.close(main)
+    stdout = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout.decode(), ""), seen.decode(errors="replace")
 
 
 def test_demo_fast_runs_the_whole_loop_on_the_second_task(stack, tmp_path, unique_name):
@@ -45,6 +83,11 @@ def test_demo_fast_runs_the_whole_loop_on_the_second_task(stack, tmp_path, uniqu
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         summary = json.loads(out.stdout)  # --json: stdout is the one document, the stage lines are on stderr
         assert "Where to look" in out.stderr and "rlops down" in out.stderr
+        assert_only_stage_lines(out.stderr)  # not a terminal: no live line either
+        assert "Traceback" not in (data_dir / "logs" / "demo.log").read_text()
+        lift = summary["lift"]  # the base and production on the same items, both through the endpoint
+        assert lift["items"] == 64 and lift["production_version"] == int(summary["version"])
+        assert f"base solves {lift['base_solved']}/64" in out.stderr
 
         client = MlflowClient(stack.tracking_uri)
         run = client.get_run(summary["run_id"])
@@ -101,14 +144,17 @@ def test_demo_fast_runs_the_whole_loop_on_the_second_task(stack, tmp_path, uniqu
         from rlops.processes import read_record
 
         serve_pid = read_record(data_dir, "serve").pid
-        again = subprocess.run([sys.executable, "-m", "rlops", "demo", "--fast", "--task", "shapes", "--json"], env=env,
-                               capture_output=True, text=True, timeout=600)
-        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        # ...and, on a terminal, shows only its stage lines and the live training line
+        again, terminal = run_on_a_terminal([sys.executable, "-m", "rlops", "demo", "--fast", "--task", "shapes",
+                                             "--json"], env, 600)
+        assert again.returncode == 0, again.stdout[-3000:] + terminal[-3000:]
+        fragments = assert_only_stage_lines(terminal)
+        assert any(TRAINING_LINE.fullmatch(f) for f in fragments), fragments
         second = json.loads(again.stdout)
         assert second["run_id"] != summary["run_id"] and int(second["version"]) == int(summary["version"]) + 1
         production_now = client.get_model_version_by_alias(model, "production").version
         # The eval guardrail keeps the old production when the new run scored lower; the demo says so.
-        assert production_now == second["version"] or "promote refused (guardrail)" in again.stderr
+        assert production_now == second["version"] or "promote refused (guardrail)" in terminal
         assert second["served_version"] == production_now
         assert read_record(data_dir, "serve").pid == serve_pid
     finally:

@@ -136,6 +136,41 @@ def test_cli_help_and_usage_errors_answer_before_heavy_imports():
     assert not set(HEAVY_MODULES) & set(loaded), set(HEAVY_MODULES) & set(loaded)
 
 
+QUIET_PROGRAM = """
+import logging, subprocess, sys, warnings
+from pathlib import Path
+from rlops.terminal import quiet
+logging.basicConfig(level=logging.INFO)  # a handler made before: it holds the stream object, not the descriptor
+with quiet(Path(sys.argv[1]), verbose=sys.argv[2] == "-v", on_stderr=sys.argv[3] == "stderr") as terminal:
+    terminal.line("[1/2] one: done")
+    print("a library print")
+    logging.getLogger("lib").info("a library log line")
+    warnings.warn("a library warning", FutureWarning)
+    subprocess.run(["echo", "a child process"], check=True)
+    terminal.live("step 1/3")
+    terminal.line("[2/2] two: done")
+print("after the block")
+"""
+
+
+@pytest.mark.parametrize("verbose,stream", [("quiet", "stdout"), ("quiet", "stderr"), ("-v", "stdout")])
+def test_quiet_keeps_our_lines_on_the_terminal_and_the_rest_in_the_log(tmp_path, verbose, stream):
+    log = tmp_path / "logs" / "command.log"
+    out = subprocess.run([sys.executable, "-c", QUIET_PROGRAM, str(log), verbose, stream], capture_output=True,
+                         text=True, check=True)
+    ours = out.stderr if stream == "stderr" else out.stdout
+    library = ["a library print", "a library log line", "a library warning", "a child process"]
+    assert "step 1/3" not in ours  # not a terminal: no live line
+    assert out.stdout.endswith("after the block\n")
+    if verbose == "-v":
+        assert "[1/2] one: done\na library print\n" in ours and "[2/2] two: done\n" in ours
+        assert all(line in out.stdout + out.stderr for line in library) and not log.exists()
+    else:
+        assert ours.startswith("[1/2] one: done\n[2/2] two: done\n")
+        assert all(line in log.read_text() for line in library)
+        assert not any(line in out.stdout + out.stderr for line in library) and "[1/2]" not in log.read_text()
+
+
 # ------------------------------------------------------------------------------------------------- stack
 
 

@@ -189,6 +189,38 @@ class GroupSampleCallback(TrainerCallback):
         self._batch = None
 
 
+@dataclass
+class TrainProgress:
+    """Where a run stands, for a live line: the step, the mean training reward of the last logged step and
+    the fixed eval's greedy pass rate at the latest scored step."""
+    step: int
+    steps: int
+    reward: float | None = None
+    last_eval: float | None = None
+
+    def line(self) -> str:
+        reward = "-" if self.reward is None else f"{self.reward:.2f}"
+        last_eval = "-" if self.last_eval is None else f"{self.last_eval:.3f}"
+        return f"step {self.step}/{self.steps}, reward {reward}, last eval {last_eval}"
+
+
+class ProgressReport(TrainerCallback):
+    """Tells `report` after every logged step and every fixed eval."""
+
+    def __init__(self, report: Callable[[TrainProgress], None], steps: int):
+        self.report, self.progress = report, TrainProgress(0, steps)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.progress.step = state.global_step
+        if logs and "reward" in logs:
+            self.progress.reward = logs["reward"]
+        self.report(self.progress)
+
+    def evaluated(self, step: int, pass_rate: float) -> None:
+        self.progress.step, self.progress.last_eval = step, pass_rate
+        self.report(self.progress)
+
+
 class QuietProgressCallback(ProgressCallback):
     """The progress bar without a printed dict per step (every step is logged to MLflow instead)."""
 
@@ -286,12 +318,13 @@ def archive_checkpoints(run_dir: Path, dest: Path) -> None:
 
 def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps: int | None = None,
           fast: bool = False, resume: bool | None = None, run_name: str | None = None,
-          log: Callable[[str], None] = print) -> TrainResult:
+          log: Callable[[str], None] = print,
+          report: Callable[[TrainProgress], None] = lambda progress: None) -> TrainResult:
     """Run SFT (cached) if needed, GRPO + LoRA with the tracker, eval on the fixed set after each
     checkpoint, and register the best checkpoint (alias `candidate`). `fast` skips SFT and uses the
     random-init tiny base (tests) and registers without comparing with that base. Returns the curve and the
     before/after pass rates; a best checkpoint that did not beat the step-0 eval registers nothing
-    (`registration_refused` says why).
+    (`registration_refused` says why). `report` hears each step's reward and each eval (a live line).
 
     A run dir whose run did not finish continues it: the trainer resumes from its latest checkpoint
     (weights, optimizer, scheduler, RNG, global step) and the MLflow run continues after its last step.
@@ -355,10 +388,12 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
             session.log_eval(scored.data_source, scored.pass_rate, scored.rows, step=step, metrics=extra)
             session.log_samples(scored.samples, step=step)
             session.log_metrics({"perf/eval_s": scored.seconds}, step=step)
+            live.evaluated(step, scored.pass_rate)
 
         groups = GroupSampleCallback(session, task, {it.id: it for it in train_items}, local.num_generations)
         budget = BudgetCallback(budget_s)
-        callbacks = [TrackerCallback(session), budget, groups,
+        live = ProgressReport(report, steps)
+        callbacks = [TrackerCallback(session), budget, groups, live,
                      FixedEvalCallback(score, record, already_scored=scored_steps.__contains__)]
         trainer = grpo_trainer(config, task, base, run_dir, steps, callbacks, processor, train_items, groups.observe)
         started = time.monotonic()

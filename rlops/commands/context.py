@@ -34,6 +34,8 @@ class CliContext:
 
 
 pass_ctx = click.make_pass_decorator(CliContext)
+verbose_option = click.option("-v", "--verbose", is_flag=True,
+                              help="Leave libraries' warnings, logs and progress bars on the terminal too.")
 
 
 def load_task(obj: CliContext) -> Task:

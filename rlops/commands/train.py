@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from rlops.commands.context import CliContext, load_task, machine_output, pass_ctx
+from rlops.commands.context import CliContext, load_task, machine_output, pass_ctx, verbose_option
 
 
 @click.group("base")
@@ -52,9 +52,11 @@ def base_build(obj: CliContext) -> None:
 @click.option("--json", "as_json", is_flag=True,
               help="Stdout: the result as one JSON document (keys: README, 'rlops train --local --json'); "
               "messages go to stderr.")
+@verbose_option
 @pass_ctx
 def train(obj: CliContext, local: bool, dry_run: bool, steps: int | None, budget_s: float | None,
-          run_dir: str | None, resume: bool | None, run_name: str | None, fast: bool, as_json: bool) -> None:
+          run_dir: str | None, resume: bool | None, run_name: str | None, fast: bool, as_json: bool,
+          verbose: bool) -> None:
     """Train a LoRA adapter with GRPO on the configured task and register the best checkpoint (alias `candidate`)."""
     if dry_run:
         if local:
@@ -67,18 +69,22 @@ def train(obj: CliContext, local: bool, dry_run: bool, steps: int | None, budget
     from training.base import TrainingError
     from training.local_trainer import train as run_training
 
+    from rlops.terminal import quiet
     from tracker.lock import RunDirBusy
 
     if resume is not None and not run_dir:
         raise click.UsageError("--resume and --new-run need --run-dir (the default is a new folder)")
     load_task(obj)  # a wrong task.path or task.options fails here, before anything is built
     folder = Path(run_dir) if run_dir else obj.config.data_path / "runs" / time.strftime("%Y%m%d-%H%M%S")
-    with machine_output(as_json) as emit:
+    log = folder / "train.log"
+    with machine_output(as_json) as emit, quiet(log, verbose=verbose, on_stderr=as_json) as terminal:
+        if not verbose:
+            terminal.line(f"details and library output: {log}")
         try:
             result = run_training(obj.config, folder, budget_s=budget_s, steps=steps, fast=fast, resume=resume,
-                                  run_name=run_name, log=click.echo)
+                                  run_name=run_name, log=terminal.line, report=lambda p: terminal.live(p.line()))
         except (TrainingError, RunDirBusy) as exc:
-            raise click.ClickException(str(exc)) from None
+            raise click.ClickException(f"{exc} (details: {log})") from None
     if as_json:
         emit(result.to_dict())
         return
