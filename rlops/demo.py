@@ -206,8 +206,8 @@ def run_demo(config: Config, *, fast: bool, terminal: Terminal, config_path: str
         summary.pass_rate_before, summary.pass_rate_after = result.before, result.after
         summary.registration_refused = result.registration_refused
         outcome = (f"{result.registration_refused}; production keeps its current version"
-                   if result.registration_refused else f"registered {model} v{result.registered_version}")
-        stage.detail(f"registration: {result.registration_evidence or outcome}")
+                   if result.registration_refused else f"registered {model} v{result.registered_version}"
+                   + (f": it beat the base, {result.registration_evidence}" if result.registration_evidence else ""))
         best = f" (best {result.best[1]} at step {result.best[0]})" if result.best and result.best[1] != result.after else ""
         stage.note = (f"run {result.run_id}: {result.steps} steps, {result.eval_data_source} pass rate "
                       f"{result.before} -> {result.after}{best}; {outcome}")
