@@ -30,6 +30,7 @@ from rlops.terminal import Terminal
 HOOKS_SECRET_FILE = "hooks-secret"
 SERVE_READY_TIMEOUT_S = 300.0
 FAST_STEPS = 6
+PICTURE_ITEMS = 4  # items drawn as the base and production answered them
 WEBHOOK_CACHE_TTL_S = 2.5  # MLFLOW_WEBHOOK_CACHE_TTL of the embedded stack (rlops/stack.py) + margin
 
 
@@ -48,6 +49,7 @@ class DemoSummary:
     parity: dict | None = None  # promote verify's report on the production version
     registration_refused: str | None = None  # why the run registered nothing (it did not beat its base)
     lift: dict | None = None  # base and production solve counts on the same eval items (lift_line)
+    picture: str | None = None  # the lift picture (rlops.figures), also logged to the run
     answer: str = ""
     passed: bool | None = None
     urls: dict[str, str] = field(default_factory=dict)
@@ -245,8 +247,17 @@ def run_demo(config: Config, *, fast: bool, terminal: Terminal, config_path: str
                           f"{report.tracked:.4f} on {report.data_source}; {report.matching}/{report.items} items agree")
 
     with progress.stage("lift: the base and production on the same eval items, through the endpoint") as stage:
-        summary.lift = _lift(config, task, base_url, api_key, summary.parity)
+        data_source = summary.parity["data_source"] if summary.parity else task.eval_sets()[0]
+        items = task.eval_items(data_source)
+        chat = ChatClient(base_url, api_key)
+        base_answers = chat.answers(config.serving.base_model_id, items, task.answer_length)
+        summary.lift = lift_counts(task, data_source, items, base_answers, summary.parity)
         stage.note = lift_line(summary.lift, task.name)
+        if production is not None:
+            shown = items[:PICTURE_ITEMS]
+            answers = {"base": base_answers, "production": chat.answers(wanted, shown, task.answer_length)}
+            summary.picture = str(_picture(config, task, result, summary.lift, shown, answers))
+            stage.note += f"; picture: {summary.picture} (and in the run's artifacts)"
         # one request through the official openai client: what a production client sees
         from openai import OpenAI
 
@@ -262,19 +273,35 @@ def run_demo(config: Config, *, fast: bool, terminal: Terminal, config_path: str
     return summary
 
 
-def _lift(config: Config, task: Task, base_url: str, api_key: str | None, parity: dict | None) -> dict:
+def lift_counts(task: Task, data_source: str, items: list, base_answers: list[str], parity: dict | None) -> dict:
     """Solve counts of the base and of production on the same eval items, both answered by the endpoint
     (production's are the answers `promote verify` just scored)."""
-    data_source = parity["data_source"] if parity else task.eval_sets()[0]
-    items = task.eval_items(data_source)
-    answers = ChatClient(base_url, api_key).answers(config.serving.base_model_id, items, task.answer_length)
     lift = {"data_source": data_source, "items": len(items),
-            "base_solved": sum(task.score(it, a).passed for it, a in zip(items, answers)),
+            "base_solved": sum(task.score(it, a).passed for it, a in zip(items, base_answers)),
             "production_version": None, "production_solved": None}
     if parity:
         lift["production_version"] = parity["version"]
         lift["production_solved"] = round(parity["served_pass_rate"] * parity["items"])
     return lift
+
+
+def _picture(config: Config, task: Task, result, lift: dict, items: list, answers: dict[str, list[str]]) -> Path:
+    """The lift picture of this run (rlops.figures), logged to the run as `demo/lift.png`."""
+    from mlflow import MlflowClient
+
+    from rlops.figures import Example, draw_lift
+
+    def example(who: str, index: int) -> Example:
+        answer = answers[who][index]
+        return Example(task.illustrate(items[index], answer), answer, task.score(items[index], answer).passed)
+
+    path = config.data_path / "demo" / result.run_id / "lift.png"
+    draw_lift(path, title=f"{task.name}: {config.registered_model} v{lift['production_version']} against its base",
+              curve=result.curve, pick=result.best,
+              solved=(lift["base_solved"], lift["production_solved"], lift["items"]),
+              examples=[(it.id, example("base", i), example("production", i)) for i, it in enumerate(items)])
+    MlflowClient(config.tracking_uri).log_artifact(result.run_id, str(path), "demo")
+    return path
 
 
 def lift_line(lift: dict, task_name: str) -> str:

@@ -118,6 +118,11 @@ class Task(ABC):
     def skyrl_sample_columns(self, entry: Mapping[str, Any]) -> dict[str, Any]:
         return {}
 
+    def illustrate(self, item: TaskItem, completion: str) -> Any:
+        """The item's image with what `completion` did drawn on it (the maze draws the walk), an RGB uint8
+        array: the demo's lift picture shows it. The item's own image unless the task can draw more."""
+        return item.image()
+
     def items_digest(self, items: list[TaskItem]) -> str:
         """sha256 of the items' ids and targets, in order: pins an eval or training set wherever it is built."""
         digest = hashlib.sha256()

@@ -88,6 +88,7 @@ def test_demo_fast_runs_the_whole_loop_on_the_second_task(stack, tmp_path, uniqu
         lift = summary["lift"]  # the base and production on the same items, both through the endpoint
         assert lift["items"] == 64 and lift["production_version"] == int(summary["version"])
         assert f"base solves {lift['base_solved']}/64" in out.stderr
+        assert Path(summary["picture"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
         client = MlflowClient(stack.tracking_uri)
         run = client.get_run(summary["run_id"])
@@ -100,6 +101,7 @@ def test_demo_fast_runs_the_whole_loop_on_the_second_task(stack, tmp_path, uniqu
         checkpoints = client.search_logged_models(experiment_ids=[run.info.experiment_id],
                                                   filter_string=f"source_run_id='{run.info.run_id}'")
         assert checkpoints, "no LoRA checkpoint was logged as a LoggedModel"
+        assert "demo/lift.png" in {a.path for a in client.list_artifacts(run.info.run_id, "demo")}
 
         production = client.get_model_version_by_alias(model, "production")
         staging = client.get_model_version_by_alias(model, "staging")

@@ -25,6 +25,7 @@ WALL_RGB = (169, 169, 169)
 PATH_RGB = (255, 255, 255)
 AGENT_RGB = (0, 0, 255)
 TARGET_RGB = (255, 0, 0)
+WALK_RGB = (120, 170, 255)
 
 DIRECTION_DELTAS = {0: (0, 1), 1: (-1, 0), 2: (0, -1), 3: (1, 0)}
 DIRECTION_WORDS = ("right", "up", "left", "down")
@@ -127,6 +128,15 @@ def render(maze: Maze, agent: Position | None = None) -> np.ndarray:
     disc = (ys - centre) ** 2 + (xs - centre) ** 2 <= (CELL_PX * 0.38) ** 2
     ar, ac = agent
     image[ar * CELL_PX:(ar + 1) * CELL_PX, ac * CELL_PX:(ac + 1) * CELL_PX][disc] = AGENT_RGB
+    return image
+
+
+def render_walk(maze: Maze, cells: tuple[Position, ...]) -> np.ndarray:
+    """The maze with the cells a walk went through tinted, the agent where it ended."""
+    image = render(maze, agent=cells[-1] if cells else None)
+    inset = CELL_PX // 3
+    for r, c in cells[:-1]:
+        image[r * CELL_PX + inset:(r + 1) * CELL_PX - inset, c * CELL_PX + inset:(c + 1) * CELL_PX - inset] = WALK_RGB
     return image
 
 
@@ -281,6 +291,7 @@ class WalkResult:
     bumped: bool          # a move into a wall ended the walk
     malformed: bool       # a word that is not an action ended the walk
     moves_past_goal: int  # moves made after standing on the target
+    cells: tuple[Position, ...] = ()  # where the walk went, the start first
 
 
 def walk_answer(maze: Maze, answer: str) -> WalkResult:
@@ -289,6 +300,7 @@ def walk_answer(maze: Maze, answer: str) -> WalkResult:
     solve most small mazes by trying every direction."""
     dist = distances_to_goal(maze)
     here, steps, past_goal = maze.start, 0, 0
+    cells = [here]
     stopped = bumped = malformed = False
     for word in _answer_words(answer):
         action = _WORD_ACTIONS.get(word)
@@ -305,9 +317,10 @@ def walk_answer(maze: Maze, answer: str) -> WalkResult:
         if here == maze.goal:
             past_goal += 1
         here, steps = nxt, steps + 1
+        cells.append(here)
     return WalkResult(solved=stopped and here == maze.goal, stopped=stopped, steps=steps,
                       final_distance=dist[here], start_distance=dist[maze.start], bumped=bumped,
-                      malformed=malformed, moves_past_goal=past_goal)
+                      malformed=malformed, moves_past_goal=past_goal, cells=tuple(cells))
 
 
 def random_walk(maze: Maze, rng: random.Random) -> list[int]:

@@ -11,11 +11,13 @@ import json
 import random
 from typing import Any, Literal, Mapping
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlops.task import Outcome, Task, TaskError, TaskItem
 from tasks.maze import datasets as ds
-from tasks.maze.env import Maze, WalkResult, answer_moves, answer_text, random_walk, render, solve, walk_answer
+from tasks.maze.env import (Maze, WalkResult, answer_moves, answer_text, random_walk, render, render_walk, solve,
+                            walk_answer)
 from tasks.maze.trajectories import eval_sample_columns
 
 
@@ -117,6 +119,10 @@ class MazeTask(Task):
 
     def sample_columns(self, item: TaskItem, completion: str) -> dict[str, Any]:
         return {"moves": " ".join(answer_moves(completion))}
+
+    def illustrate(self, item: TaskItem, completion: str) -> np.ndarray:
+        maze = item_maze(item)
+        return render_walk(maze, walk_answer(maze, completion).cells)
 
     def skyrl_sample_columns(self, entry: Mapping[str, Any]) -> dict[str, Any]:
         return eval_sample_columns(entry)
