@@ -224,7 +224,9 @@ class ServingConfig(_Section):
     metrics_port: int | None = Field(None, ge=1, le=65535,
                                      description="Prometheus port of the local Ray started by `rlops serve`")
     api_keys_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-                                     description="env var with comma-separated API keys; unset = no auth")
+                                     description="env var with comma-separated API keys that may call every model")
+    keys_file: str | None = Field(None, description="YAML file of scoped API keys (digests, models, addressing, "
+                                  "rate limits; README 'Access control'); re-read on change. Neither set: no auth")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     max_image_pixels: int = Field(4096 * 4096, ge=1, description="width x height cap of a request image, read from "
                                   "its PNG/JPEG header before anything decodes it")

@@ -320,9 +320,11 @@ def resolve_model_name(
     manifests: Mapping[str, RoutesManifest],
     served_aliases: list[str] | tuple[str, ...],
     client_key: str | None = None,
+    canary: bool = True,
 ) -> Resolution:
     """Resolve a parsed name against the published manifests; raise ModelNotFound with a client-safe message.
-    An alias with a canary picks by `client_key` (None: a fresh random key, i.e. per request)."""
+    An alias with a canary picks by `client_key` (None: a fresh random key, i.e. per request); `canary`
+    False keeps the caller on the alias's own target."""
     if ref.base != base_model_id:
         raise ModelNotFound(f"The model {ref.raw!r} does not exist.")
     if ref.model is None:
@@ -342,9 +344,9 @@ def resolve_model_name(
     route = manifest.aliases.get(ref.alias)
     if route is None:
         raise ModelNotFound(f"The model {ref.raw!r} is not available: alias {ref.alias!r} not set.")
-    canary = manifest.canaries.get(ref.alias)
-    if canary is not None:
+    target = manifest.canaries.get(ref.alias) if canary else None
+    if target is not None:
         key = client_key if client_key is not None else os.urandom(16).hex()
-        if canary_bucket(ref.model, ref.alias, canary.version, key) < canary.weight:
-            return Resolution(ref=ref, folder=canary.folder, version=canary.version, alias=ref.alias, canary=True)
+        if canary_bucket(ref.model, ref.alias, target.version, key) < target.weight:
+            return Resolution(ref=ref, folder=target.folder, version=target.version, alias=ref.alias, canary=True)
     return Resolution(ref=ref, folder=route.folder, version=route.version, alias=ref.alias)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from rlops.config import Config, ConfigError, ray_client_env, replica_environment, s3_environment
+from serving.access import KeysFileError, parse_keys_file
 from serving.routes import PRELOAD_KEY
 
 INGRESS_CLS = "serving.ingress:AliasIngress"
@@ -80,7 +82,23 @@ def ingress_settings(config: Config) -> dict[str, Any]:
         "max_n": serving.max_n,
         "max_request_tokens": serving.max_request_tokens,
         "api_keys_env": serving.api_keys_env,
+        # the replicas' working directory is Ray's, not ours
+        "keys_file": str(Path(serving.keys_file).expanduser().resolve()) if serving.keys_file else None,
+        "ingress_replicas": serving.ingress_replicas,
     }
+
+
+def check_keys_file(config: Config) -> int:
+    """The keys file parses (a replica refuses to start on a bad one); how many keys it holds."""
+    path = config.serving.keys_file
+    if path is None:
+        return 0
+    try:
+        return len(parse_keys_file(Path(path).expanduser().read_text(), path))
+    except OSError as exc:
+        raise ConfigError(f"serving.keys_file {path!r} cannot be read: {exc.strerror}") from None
+    except KeysFileError as exc:
+        raise ConfigError(f"serving.keys_file: {exc}") from None
 
 
 def app_args(config: Config, accelerator: str, ingress_cls: str = INGRESS_CLS) -> dict[str, Any]:
@@ -143,6 +161,7 @@ def run(config: Config, environ: Mapping[str, str], *, blocking: bool = True,
     loaded); then blocks until stopped unless `blocking` is False."""
     serving = config.serving
     env = replica_environment(config, environ)  # checked even on the cluster: its nodes got it at `rlops up`
+    check_keys_file(config)
     if config.ray_address:
         # Before Ray's first import: its core reads the auth mode from the env once (else "disabled").
         os.environ.update(ray_client_env(config))

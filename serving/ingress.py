@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Mapping
 
 from fastapi import HTTPException, Request
@@ -29,6 +30,7 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
 from ray import serve
 from ray.serve.llm.ingress import OpenAiIngress
 from rlops.layout import ModelNameError, Resolution
+from serving.access import AccessControl, AccessError, KeyScope, RateLimiter, env_scopes
 from serving.routes import RoutesSettings, internal_model_id, replica_routes_cache
 from serving.validation import RequestError, RequestLimits, check_body
 
@@ -47,7 +49,9 @@ class IngressSettings(RoutesSettings):
     max_image_pixels: int = Field(gt=0)
     max_n: int = Field(gt=0)
     max_request_tokens: int = Field(gt=0)
-    api_keys_env: str | None = None  # name of the env var with comma-separated keys; None = no auth
+    api_keys_env: str | None = None  # name of the env var with comma-separated all-models keys
+    keys_file: str | None = None  # scoped keys (serving.access); neither: no auth
+    ingress_replicas: int = Field(1, ge=1)  # each replica enforces its share of a key's rate limits
 
 
 class ClientError(Exception):
@@ -68,28 +72,6 @@ class ClientError(Exception):
 
 
 # ------------------------------------------------------------------------------------------ pure helpers
-
-
-def api_key_digests(environ: Mapping[str, str], env_name: str | None) -> frozenset[str] | None:
-    """sha256 digests of the configured keys (comma-separated in `env_name`); None when auth is off."""
-    if env_name is None:
-        return None
-    keys = [k.strip() for k in environ.get(env_name, "").split(",") if k.strip()]
-    if not keys:
-        raise ValueError(f"serving.api_keys_env names {env_name}, but that environment variable holds no keys")
-    return frozenset(hashlib.sha256(k.encode()).hexdigest() for k in keys)
-
-
-def check_api_key(authorization: str | None, digests: frozenset[str] | None) -> None:
-    """Raise a 401 ClientError unless `Authorization: Bearer <key>` names a configured key (or auth is off)."""
-    if digests is None:
-        return
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise ClientError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
-    # Comparing digests, not keys, keeps the check's timing independent of the keys' contents.
-    if hashlib.sha256(token.strip().encode()).hexdigest() not in digests:
-        raise ClientError(401, "Invalid API key.", code="invalid_api_key")
 
 
 def parse_request(raw: bytes, request_cls: type[BaseModel], limits: RequestLimits) -> Any:
@@ -132,11 +114,30 @@ def client_key(user: object, session: str | None, authorization: str | None) -> 
     return None
 
 
-def resolve(table, raw_name: str, key: str | None = None) -> Resolution:
+def resolve(table, raw_name: str, key: str | None = None, scope: KeyScope | None = None) -> Resolution:
+    """The route of `raw_name` for a caller with `scope` (None: no keys configured). A name out of the
+    scope is a 403 whether or not it exists: the answer does not tell a key what other teams serve."""
     try:
-        return table.resolve(raw_name, key)
+        ref = table.parse(raw_name)
+        if scope is not None and not scope.may_call(ref):
+            raise ClientError(403, f"This API key may not call the model {ref.raw!r}.", code="model_not_permitted",
+                              param="model")
+        return table.resolve_ref(ref, key, canary=scope is None or scope.canary)
     except ModelNameError as exc:
         raise ClientError(exc.status, str(exc), code=exc.code, param="model") from None
+
+
+def client_error(exc: AccessError) -> ClientError:
+    return ClientError(exc.status, exc.message, code=exc.code, retry_after_s=exc.retry_after_s,
+                       type="rate_limit_error" if exc.status == 429 else "invalid_request_error")
+
+
+def charged_tokens(body: Any, max_request_tokens: int) -> int:
+    """What a request is charged against a tokens-per-minute limit before it runs: its sequences x its token
+    cap (without one, the endpoint's per-request cap); the unused part is given back when usage is known."""
+    sequences = max(getattr(body, "n", None) or 1, getattr(body, "best_of", None) or 1)
+    cap = getattr(body, "max_completion_tokens", None) or getattr(body, "max_tokens", None)
+    return min(max_request_tokens, sequences * cap) if cap else max_request_tokens
 
 
 def version_headers(resolution: Resolution) -> dict[str, str]:
@@ -167,6 +168,13 @@ def scrub(message: str, *secrets_to_hide: tuple[str, str]) -> str:
     for hidden, shown in secrets_to_hide:
         message = message.replace(hidden, shown)
     return message
+
+
+@dataclass(frozen=True)
+class Charge:
+    """What a scoped request was charged against its key's limits."""
+    scope: KeyScope
+    tokens: int
 
 
 # ----------------------------------------------------------------------------------------------- metrics
@@ -257,7 +265,11 @@ class AliasIngress(OpenAiIngress):
                              "max_image_pixels": self._limits.max_image_pixels,
                              "max_request_bytes": self._settings.max_request_bytes}
         # The replica is an entry point: keys come from its environment (a Kubernetes secret in the cluster).
-        self._api_keys = api_key_digests(os.environ, self._settings.api_keys_env)
+        self._access = AccessControl(self._settings.keys_file, env_scopes(os.environ, self._settings.api_keys_env),
+                                     self._settings.staleness_s)
+        self._limiter = RateLimiter(replicas=self._settings.ingress_replicas)
+        self._listed: tuple[object, dict[str, bytes]] = (None, {})  # (routes table, scope digest -> /v1/models)
+        self._keys_error: str | None = None
         self._routes = replica_routes_cache(self._settings)
         self._routes.start()
         self._replica_headers = {REPLICA_HEADER: serve.get_replica_context().replica_tag}
@@ -280,15 +292,15 @@ class AliasIngress(OpenAiIngress):
 
     async def models(self, request: Request) -> Response:
         try:
-            check_api_key(request.headers.get("authorization"), self._api_keys)
+            scope = self._scope(request)
         except ClientError as err:
             return err.response()
-        return Response(self._routes.table.models_json, media_type="application/json")
+        return Response(self._models_json(scope), media_type="application/json")
 
     async def model_data(self, model: str, request: Request) -> Response:
         try:
-            check_api_key(request.headers.get("authorization"), self._api_keys)
-            resolution = resolve(self._routes.table, model)
+            scope = self._scope(request)
+            resolution = resolve(self._routes.table, model, scope=scope)
         except ClientError as err:
             return err.response()
         metadata: dict[str, Any] = {"kind": "base" if resolution.ref.model is None else "adapter",
@@ -313,6 +325,34 @@ class AliasIngress(OpenAiIngress):
     async def detokenize(self, request: Request) -> Response:
         return self._not_served("/detokenize")
 
+    def _scope(self, request: Request) -> KeyScope | None:
+        try:
+            scope = self._access.scope(request.headers.get("authorization"))
+        except AccessError as exc:
+            raise client_error(exc) from None
+        finally:
+            if self._access.error != self._keys_error:  # say it once per change, not per request
+                self._keys_error = self._access.error
+                if self._keys_error:
+                    log.error("keys file not reloaded, the last good one stays in use: %s", self._keys_error)
+                else:
+                    log.info("keys file reloaded: %d keys", len(self._access.file_keys))
+        return scope
+
+    def _models_json(self, scope: KeyScope | None) -> bytes:
+        """`/v1/models` for the caller: every entry for an all-models key, else those its scope may call
+        (serialized once per routes table and scope)."""
+        table = self._routes.table
+        if scope is None or (scope.models == ["*"] and scope.aliases == ["*"] and scope.base):
+            return table.models_json
+        if self._listed[0] is not table:
+            self._listed = (table, {})
+        listed = self._listed[1]
+        if scope.sha256 not in listed:
+            cards = [c for c in table.model_cards() if scope.lists(c, table.default_alias)]
+            listed[scope.sha256] = json.dumps({"object": "list", "data": cards}, separators=(",", ":")).encode()
+        return listed[scope.sha256]
+
     @staticmethod
     def _not_served(path: str) -> Response:
         # Only chat and completions go through alias resolution; the stock handlers would accept raw folders.
@@ -323,25 +363,40 @@ class AliasIngress(OpenAiIngress):
     async def _generate(self, request: Request, request_cls: type[BaseModel], endpoint: str) -> Response:
         started = time.perf_counter()
         resolution: Resolution | None = None
+        charge: Charge | None = None
         try:
-            check_api_key(request.headers.get("authorization"), self._api_keys)
+            scope = self._scope(request)
             body = parse_request(await self._read_body(request), request_cls, self._limits)
             key = client_key(getattr(body, "user", None), request.headers.get(SESSION_HEADER),
                              request.headers.get("authorization"))
-            resolution = resolve(self._routes.table, body.model, key)
+            resolution = resolve(self._routes.table, body.model, key, scope)
+            if scope is not None:
+                charge = Charge(scope, charged_tokens(body, self._limits.max_request_tokens))
+                try:
+                    self._limiter.admit(scope, charge.tokens)
+                except AccessError as exc:
+                    raise client_error(exc) from None
             response = await self._forward(body, resolution, endpoint, request)
         except ClientError as err:
+            if charge is not None and err.status != 429:
+                self._limiter.settle(charge.scope, charge.tokens, 0)  # it ran nothing
             self._finish(resolution, endpoint, err.status, started, stream=False)
             response = err.response()
             response.headers.update(self._replica_headers)
             return response
         response.headers.update(self._replica_headers)
         if isinstance(response, StreamingResponse):
-            response.body_iterator = self._finish_after(response.body_iterator, resolution, endpoint, started)
+            response.body_iterator = self._finish_after(response.body_iterator, resolution, endpoint, started, charge)
         else:
+            usage = usage_in(response.body)
+            self._settle(charge, usage)
             self._finish(resolution, endpoint, response.status_code, started, stream=False,
-                         first_byte=time.perf_counter(), usage=usage_in(response.body))
+                         first_byte=time.perf_counter(), usage=usage)
         return response
+
+    def _settle(self, charge: Charge | None, usage: tuple[int, int] | None) -> None:
+        if charge is not None and usage is not None:
+            self._limiter.settle(charge.scope, charge.tokens, sum(usage))
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self._settings.max_request_bytes
@@ -392,7 +447,8 @@ class AliasIngress(OpenAiIngress):
         response.headers.update(version_headers(resolution))
         return response
 
-    async def _finish_after(self, chunks: AsyncIterator, resolution, endpoint: str, started: float):
+    async def _finish_after(self, chunks: AsyncIterator, resolution, endpoint: str, started: float,
+                            charge: Charge | None = None):
         """Counts a stream when it ends: an engine error after the 200 headers (an error event, or the stream
         raising) is a 500 in the metrics, a client that went away a 499."""
         status, first_byte, usage = 200, None, None
@@ -411,6 +467,7 @@ class AliasIngress(OpenAiIngress):
             status = 500  # the stream broke after the headers were sent
             raise
         finally:
+            self._settle(charge, usage)
             self._finish(resolution, endpoint, status, started, stream=True, first_byte=first_byte, usage=usage)
 
     def _finish(self, resolution: Resolution | None, endpoint: str, status: int, started: float, *, stream: bool,

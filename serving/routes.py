@@ -24,6 +24,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlops.layout import (
+    ModelRef,
     Resolution,
     RoutesManifest,
     S3Location,
@@ -55,11 +56,17 @@ class RoutesTable:
     default_alias: str
     manifests: Mapping[str, RoutesManifest] = field(default_factory=dict)
 
-    def resolve(self, raw_name: object, client_key: str | None = None) -> Resolution:
+    def parse(self, raw_name: object) -> ModelRef:
+        """Client name -> its parts; raises MalformedModelName (400) with a client-safe message."""
+        return parse_model_name(raw_name, self.default_alias)
+
+    def resolve(self, raw_name: object, client_key: str | None = None, *, canary: bool = True) -> Resolution:
         """Client name -> route; raises MalformedModelName (400) or ModelNotFound (404), client-safe messages.
-        `client_key` picks between an alias's target and its canary (sticky per key)."""
-        ref = parse_model_name(raw_name, self.default_alias)
-        return resolve_model_name(ref, self.base_model_id, self.manifests, self.served_aliases, client_key)
+        `client_key` picks between an alias's target and its canary (sticky per key; `canary` False: never)."""
+        return self.resolve_ref(self.parse(raw_name), client_key, canary=canary)
+
+    def resolve_ref(self, ref: ModelRef, client_key: str | None = None, *, canary: bool = True) -> Resolution:
+        return resolve_model_name(ref, self.base_model_id, self.manifests, self.served_aliases, client_key, canary)
 
     def model_cards(self) -> list[dict[str, Any]]:
         """`/v1/models` entries: the base, then `<base>:<model>@<alias>` for every served alias that is set

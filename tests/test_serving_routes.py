@@ -12,8 +12,6 @@ from rlops.layout import AliasRoute, MalformedModelName, ModelNotFound, RoutesMa
 from serving.ingress import (
     ClientError,
     NameRewriter,
-    api_key_digests,
-    check_api_key,
     parse_request,
     version_headers,
 )
@@ -155,18 +153,6 @@ def test_plan_refresh_fetches_only_changed_and_drops_removed():
 
 
 # ------------------------------------------------------------------------------------------ ingress helpers
-
-
-def test_api_keys_are_checked_against_configured_digests():
-    digests = api_key_digests({"KEYS": "k-one, k-two"}, "KEYS")
-    check_api_key("Bearer k-two", digests)
-    check_api_key(None, None)  # auth off
-    for header in (None, "Bearer", "Basic k-one", "Bearer k-three"):
-        with pytest.raises(ClientError) as info:
-            check_api_key(header, digests)
-        assert info.value.status == 401 and "k-one" not in info.value.message
-    with pytest.raises(ValueError, match="KEYS"):
-        api_key_digests({}, "KEYS")
 
 
 def test_request_parsing_gives_openai_400s():
