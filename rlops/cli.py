@@ -10,6 +10,7 @@ import click
 from rlops.commands.context import CliContext, pass_ctx
 
 if TYPE_CHECKING:
+    from rlops.config import Config
     from rlops.stack import PartStatus
 
 
@@ -36,6 +37,16 @@ def config_show(obj: CliContext) -> None:
     from rlops.config import masked_dict
 
     click.echo(yaml.safe_dump(masked_dict(obj.config), sort_keys=False).rstrip())
+
+
+def echo_keys_file(config: Config) -> None:
+    import serving
+    from rlops.config import ConfigError
+
+    try:
+        click.echo(f"  keys file {config.serving.keys_file}: {serving.check_keys_file(config)} keys")
+    except ConfigError as exc:
+        click.echo(f"  keys file: {exc} (a running endpoint keeps the last good one; a new one will not start)")
 
 
 def _print_status(parts: list[PartStatus]) -> None:
@@ -110,6 +121,8 @@ def status(obj: CliContext) -> None:
         else:
             click.echo(f"  webhooks {sum(c.answers for c in checks)}/{len(checks)} on alias events answer")
             echo_dead_webhooks(checks)
+    if obj.config.serving.keys_file:
+        echo_keys_file(obj.config)
     down = [p.name for p in parts if p.managed and not p.healthy]
     if down:
         click.echo(f"not running: {', '.join(down)} (`rlops up` starts the stack)", err=True)

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -217,9 +217,12 @@ class RateLimiter:
 class AccessControl:
     """The keys a replica accepts: the keys file (re-read when it changes) and the env keys."""
 
-    def __init__(self, keys_file: str | None, env_keys: dict[str, KeyScope], check_every_s: float):
+    def __init__(self, keys_file: str | None, env_keys: dict[str, KeyScope], check_every_s: float,
+                 on_reload: Callable[[str | None], None] = lambda error: None):
+        """`on_reload` hears each reload: None once a changed file is in use, else why it is not (once per
+        different error)."""
         self.path = Path(keys_file) if keys_file else None
-        self.env_keys, self.check_every_s = env_keys, check_every_s
+        self.env_keys, self.check_every_s, self.on_reload = env_keys, check_every_s, on_reload
         self.file_keys: dict[str, KeyScope] = {}
         self.error: str | None = None
         self._fingerprint: tuple[int, int] | None = None
@@ -256,13 +259,18 @@ class AccessControl:
                 return False
             keys = parse_keys_file(self._read(), str(self.path))
         except OSError as exc:
-            self.error = f"{self.path}: cannot be read: {exc.strerror}"
-            return False
+            return self._failed(f"{self.path}: cannot be read: {exc.strerror}")
         except KeysFileError as exc:
-            self.error = str(exc)
-            return False
+            return self._failed(str(exc))
         self.file_keys, self._fingerprint, self.error = keys, fingerprint, None
+        self.on_reload(None)
         return True
+
+    def _failed(self, error: str) -> bool:
+        if error != self.error:
+            self.error = error
+            self.on_reload(error)
+        return False
 
     def _stat(self) -> tuple[int, int]:
         stat = os.stat(self.path)

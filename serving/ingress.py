@@ -266,10 +266,9 @@ class AliasIngress(OpenAiIngress):
                              "max_request_bytes": self._settings.max_request_bytes}
         # The replica is an entry point: keys come from its environment (a Kubernetes secret in the cluster).
         self._access = AccessControl(self._settings.keys_file, env_scopes(os.environ, self._settings.api_keys_env),
-                                     self._settings.staleness_s)
+                                     self._settings.staleness_s, on_reload=self._keys_reloaded)
         self._limiter = RateLimiter(replicas=self._settings.ingress_replicas)
         self._listed: tuple[object, dict[str, bytes]] = (None, {})  # (routes table, scope digest -> /v1/models)
-        self._keys_error: str | None = None
         self._routes = replica_routes_cache(self._settings)
         self._routes.start()
         self._replica_headers = {REPLICA_HEADER: serve.get_replica_context().replica_tag}
@@ -327,17 +326,16 @@ class AliasIngress(OpenAiIngress):
 
     def _scope(self, request: Request) -> KeyScope | None:
         try:
-            scope = self._access.scope(request.headers.get("authorization"))
+            return self._access.scope(request.headers.get("authorization"))
         except AccessError as exc:
             raise client_error(exc) from None
-        finally:
-            if self._access.error != self._keys_error:  # say it once per change, not per request
-                self._keys_error = self._access.error
-                if self._keys_error:
-                    log.error("keys file not reloaded, the last good one stays in use: %s", self._keys_error)
-                else:
-                    log.info("keys file reloaded: %d keys", len(self._access.file_keys))
-        return scope
+
+    def _keys_reloaded(self, error: str | None) -> None:
+        if error:
+            log.error("keys file not reloaded, the last good one stays in use: %s", error)
+        else:
+            self._listed = (None, {})
+            log.info("keys file reloaded: %d keys", len(self._access.file_keys))
 
     def _models_json(self, scope: KeyScope | None) -> bytes:
         """`/v1/models` for the caller: every entry for an all-models key, else those its scope may call

@@ -13,6 +13,7 @@ import functools
 import io
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -23,16 +24,20 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from conftest import TEXT_PROMPT, maze_image, offline_inputs, preload_lines, register_adapter, train_adapter, wait_preloaded
 from rlops import processes
 from rlops.config import Config, load_config
+from serving.access import digest
 
 pytestmark = pytest.mark.slow
 
 API_KEY_ENV = "SERVING_TEST_API_KEYS"  # not RLOPS_*: that prefix is reserved for config overrides
 API_KEY = "sk-test-" + uuid.uuid4().hex
 STALENESS_S = 1.0
+TEAM_KEY, LIMITED_KEY, ROTATED_KEY = ("sk-" + kind + "-" + uuid.uuid4().hex for kind in ("team", "limited", "rotated"))
+LIMITED_RPM = 3
 TARGETS = {"a": "right right right right", "b": "down down left left"}  # what each adapter is trained to say
 
 
@@ -107,6 +112,20 @@ class ServedApp:
 
         return OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
+    @property
+    def keys_file(self) -> Path:
+        return Path(self.config.serving.keys_file)
+
+    def keys_yaml(self, *extra: str) -> str:
+        """The fixture's scoped keys: `team` may call its model at production only, outside canary cohorts;
+        `limited` may call everything, LIMITED_RPM requests a minute."""
+        return yaml.safe_dump({"keys": [
+            {"name": "team", "sha256": digest(TEAM_KEY), "models": [self.model], "aliases": ["production"],
+             "canary": False},
+            {"name": "limited", "sha256": digest(LIMITED_KEY), "models": ["*"], "base": True,
+             "requests_per_minute": LIMITED_RPM},
+            *[{"name": name, "sha256": digest(name + "-key"), "models": ["*"]} for name in extra]]})
+
     def move_alias(self, alias: str, version: int) -> None:
         """Move the registry alias and run the promotion sync; record when the manifest was published."""
         import mlflow
@@ -153,6 +172,7 @@ def served(stack, tmp_path_factory) -> ServedApp:
             "model_source": str(base_dir), "dynamic_lora_loading_path": f"s3://{stack.config.storage.bucket}/lora-serving-{suffix}",
             "port": processes.free_port(), "replica_cpus": 0.5, "routes_staleness_s": STALENESS_S,
             "api_keys_env": API_KEY_ENV, "max_request_bytes": 2 * 1024 * 1024, "metrics_port": processes.free_port(),
+            "keys_file": str(root / "keys.yaml"),
         },
     }
     config_path = root / "mlflow.yaml"
@@ -161,6 +181,7 @@ def served(stack, tmp_path_factory) -> ServedApp:
     versions = {register_adapter(config, adapter_dirs[key], step): adapter_dirs[key]
                 for step, key in enumerate(TARGETS, start=1)}
     app = ServedApp(config, f"http://{config.serving.host}:{config.serving.port}", base_dir, versions)
+    app.keys_file.write_text(app.keys_yaml())
     app.move_alias("production", 1)
     app.move_alias("staging", 2)
 
@@ -334,6 +355,78 @@ def test_api_keys_are_enforced(served: ServedApp):
 
     with pytest.raises(AuthenticationError):
         OpenAI(base_url=f"{served.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+
+
+def wait_until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.25)
+    return condition()
+
+
+def chat(served: ServedApp, key: str, model: str) -> httpx.Response:
+    body = {"model": model, "messages": chat_messages(False), "max_tokens": 1}
+    return httpx.post(f"{served.url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"},
+                      timeout=60)
+
+
+def test_a_scoped_key_sees_and_calls_only_its_scope(served: ServedApp):
+    listed = httpx.get(f"{served.url}/v1/models", headers={"authorization": f"Bearer {TEAM_KEY}"}, timeout=30)
+    assert [m["id"] for m in listed.json()["data"]] == [served.name(), served.name("@production")]
+    everything = httpx.get(f"{served.url}/v1/models", headers=served.headers(), timeout=30).json()["data"]
+    assert {served.base, served.name("@staging")} <= {m["id"] for m in everything}  # the env keys: all
+    ok = chat(served, TEAM_KEY, served.name())
+    assert ok.status_code == 200 and ok.headers["x-rlops-model-version"] == "1"
+    refused = {}
+    for name in (served.name("@staging"), served.name("@v2"), served.base, f"{served.base}:no-such-model"):
+        r = chat(served, TEAM_KEY, name)
+        error = r.json()["error"]
+        refused[name] = (r.status_code, error["code"], error["message"].replace(name, "NAME"))
+        assert "version" not in {k.lower() for k in r.headers if k.startswith("x-rlops-model")}
+    # one answer for a name that exists and one that does not: a key learns nothing about other teams
+    assert len(set(refused.values())) == 1 and next(iter(refused.values()))[:2] == (403, "model_not_permitted")
+    card = httpx.get(f"{served.url}/v1/models/{served.name('@staging')}", timeout=30,
+                     headers={"authorization": f"Bearer {TEAM_KEY}"})
+    assert card.status_code == 403
+    log = (served.config.data_path / "logs" / "serve.log").read_text(errors="replace")
+    assert TEAM_KEY not in log and TEAM_KEY not in json.dumps(everything)
+
+
+def test_a_rate_limited_key_gets_429_with_retry_after(served: ServedApp):
+    from openai import OpenAI, RateLimitError
+
+    statuses = [chat(served, LIMITED_KEY, served.base).status_code for _ in range(LIMITED_RPM)]
+    assert statuses == [200] * LIMITED_RPM
+    limited = chat(served, LIMITED_KEY, served.base)
+    assert limited.status_code == 429 and limited.json()["error"]["type"] == "rate_limit_error"
+    assert 1 <= int(limited.headers["retry-after"]) <= 60 and "'limited'" in limited.json()["error"]["message"]
+    assert chat(served, API_KEY, served.base).status_code == 200  # other keys are not held back
+    with pytest.raises(RateLimitError):
+        OpenAI(base_url=f"{served.url}/v1", api_key=LIMITED_KEY, max_retries=0).chat.completions.create(
+            model=served.base, messages=chat_messages(False), max_tokens=1)
+
+
+def test_keys_file_rotation_without_restart_and_a_broken_file_keeps_the_last_good_one(stack, served: ServedApp):
+    rotated = "rotated-" + uuid.uuid4().hex[:6]
+    try:
+        served.keys_file.write_text(served.keys_yaml(rotated))
+        assert wait_until(lambda: chat(served, rotated + "-key", served.name()).status_code == 200,
+                          timeout_s=STALENESS_S + 10), "a key added to the file was not accepted"
+        served.keys_file.write_text("keys: [")
+        time.sleep(STALENESS_S + 1)
+        assert chat(served, rotated + "-key", served.name()).status_code == 200  # the last good file stays
+        status = subprocess.run([str(Path(sys.executable).parent / "rlops"), "status"], capture_output=True, text=True,
+                                env={**stack.env, "RLOPS_CONFIG": str(served.keys_file.parent / "mlflow.yaml")},
+                                timeout=120)
+        assert "keys file" in status.stdout and "not valid YAML" in status.stdout, status.stdout
+        log = (served.config.data_path / "logs" / "serve.log").read_text(errors="replace")
+        assert "keys file not reloaded" in log
+    finally:
+        served.keys_file.write_text(served.keys_yaml())
+        assert wait_until(lambda: chat(served, rotated + "-key", served.name()).status_code == 401,
+                          timeout_s=STALENESS_S + 10), "a key removed from the file still answered"
 
 
 def test_metrics_per_alias_and_logs_without_secrets(served: ServedApp):
