@@ -63,20 +63,26 @@ def seed_s3(config, extra_models: int) -> None:
     stamp_routes(s3, location)
 
 
+def echo_args(config, engine_env: dict[str, str] | None = None) -> dict:
+    """The alias app's `build_openai_app` args on the echo engine; `engine_env` adds variables to its replica."""
+    args = app_args(config, "cpu")
+    args["llm_configs"][0]["runtime_env"] = {"env_vars": {"RAYLLM_VLLM_ENGINE_CLS": ECHO_ENGINE,
+                                                          "PYTHONPATH": BENCH_DIR, **(engine_env or {})}}
+    return args
+
+
 def build_apps(config, engine_env: dict[str, str] | None = None):
-    """(alias app, stock app) on the echo engine; `engine_env` adds variables to the engine's replica."""
+    """(alias app, stock app) on the echo engine."""
     from ray.serve.llm import build_openai_app
 
-    alias_args = app_args(config, "cpu")
-    alias_args["llm_configs"][0]["runtime_env"] = {"env_vars": {"RAYLLM_VLLM_ENGINE_CLS": ECHO_ENGINE,
-                                                                "PYTHONPATH": BENCH_DIR, **(engine_env or {})}}
+    alias_args = echo_args(config, engine_env)
     stock_args = json.loads(json.dumps(alias_args))
     del stock_args["ingress_cls_config"]  # the stock OpenAiIngress
     return build_openai_app(alias_args), build_openai_app(stock_args)
 
 
-async def load(url: str, model: str, requests: int, concurrency: int, *,
-               users: bool = False) -> tuple[float, list[float], int]:
+async def load(url: str, model: str, requests: int, concurrency: int, *, users: bool = False,
+               headers: dict[str, str] | None = None) -> tuple[float, list[float], int]:
     """(requests/s, latencies in ms, non-200 count) for `requests` chat calls from `concurrency` clients;
     `users`: each request names another OpenAI `user` (what a canary's sticky pick hashes)."""
     latencies: list[float] = []
@@ -96,7 +102,7 @@ async def load(url: str, model: str, requests: int, concurrency: int, *,
             failures += r.status_code != 200
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+    async with httpx.AsyncClient(timeout=60, limits=limits, headers=headers) as http:
         started = time.perf_counter()
         await asyncio.gather(*(client(http) for _ in range(concurrency)))
         elapsed = time.perf_counter() - started

@@ -1,0 +1,111 @@
+"""Cost of scoped API keys and rate limits: the alias ingress with 100 scoped keys (each with request and
+token limits, never reached) vs the same ingress with no keys, in one run.
+
+Both are real `ray.serve.llm` apps in one local Ray Serve on the echo engine (bench/echo_engine.py), reading
+the same manifests from a real local S3 (bench/ingress_overhead.py's setup); the same requests, with the same
+`Authorization` header, go to both in paired rounds. Goal (issue 33): keys-on throughput >= 0.98x keys-off and
++p50 < 0.5 ms at concurrency 1. figure = keys-on throughput (req/s), baseline = keys-off throughput.
+
+Usage: python bench/access_overhead.py [--requests 1200] [--latency-requests 300] [--rounds 12] [--keys 100]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import record  # noqa: E402
+from ingress_overhead import MODEL, echo_args, load, paired_rounds, percentile, seed_s3  # noqa: E402
+
+from rlops import stack as rlops_stack  # noqa: E402
+from rlops.config import load_config, s3_environment  # noqa: E402
+from rlops.processes import free_port  # noqa: E402
+from serving.access import digest  # noqa: E402
+
+
+def keys_file(path: Path, count: int) -> str:
+    """`count` scoped keys with limits no bench run reaches; the client uses the one in the middle."""
+    keys = [f"sk-bench-{i:04d}-{uuid.uuid4().hex}" for i in range(count)]
+    path.write_text(yaml.safe_dump({"keys": [
+        {"name": f"team-{i:04d}", "sha256": digest(key), "models": ["bench-*", f"team-{i:04d}-*"],
+         "aliases": ["production", "staging"], "requests_per_minute": 10**7, "tokens_per_minute": 10**9}
+        for i, key in enumerate(keys)]}))
+    return keys[count // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=1200, help="throughput requests per side, all rounds")
+    parser.add_argument("--latency-requests", type=int, default=300, help="concurrency-1 requests per side")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--keys", type=int, default=100)
+    args = parser.parse_args()
+
+    import ray
+    from ray import serve
+    from ray.serve.llm import build_openai_app
+
+    root = Path(tempfile.mkdtemp(prefix="rlops-bench-access-"))
+    s3_port = rlops_stack.free_s3_port()
+    environ = {"RLOPS_DATA_DIR": str(root), "RLOPS_SERVER__PORT": str(free_port()),
+               "RLOPS_STORAGE__ENDPOINT_URL": f"http://127.0.0.1:{s3_port}",
+               "RLOPS_SERVING__MODEL_SOURCE": str(root / "no-weights-needed"),
+               "RLOPS_SERVING__DYNAMIC_LORA_LOADING_PATH": f"s3://rlops/bench-{uuid.uuid4().hex[:8]}",
+               "RLOPS_SERVING__REPLICA_CPUS": "0.5", "RLOPS_REGISTRY__MODELS": f"[{MODEL}]"}
+    open_config = load_config(environ=environ)
+    key = keys_file(root / "keys.yaml", args.keys)
+    scoped_config = load_config(environ={**environ, "RLOPS_SERVING__KEYS_FILE": str(root / "keys.yaml")})
+    rlops_stack.up(open_config, timeout_s=90)
+    try:
+        seed_s3(open_config, 0)
+        os.environ.update(s3_environment(open_config))
+        ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_openai_app(echo_args(scoped_config)), name="keys", route_prefix="/keys")
+        serve.run(build_openai_app(echo_args(open_config)), name="open", route_prefix="/open")
+        name = f"{open_config.serving.base_model_id}:{MODEL}"
+        sides = {"keys": (f"http://127.0.0.1:{port}/keys", name), "open": (f"http://127.0.0.1:{port}/open", name)}
+        headers = {"authorization": f"Bearer {key}"}
+        for url, model in sides.values():  # warm-up
+            _, _, failed = asyncio.run(load(url, model, 50, args.concurrency, headers=headers))
+            assert failed == 0, f"{url}: {failed} of 50 warm-up requests failed"
+        rounds, latencies, failures = paired_rounds(sides, args.rounds, args.requests, args.latency_requests,
+                                                    args.concurrency, headers=headers)
+    finally:
+        try:
+            serve.shutdown()
+            ray.shutdown()
+        finally:
+            rlops_stack.down(open_config)
+            shutil.rmtree(root, ignore_errors=True)
+
+    ratios = [a / b for a, b in zip(rounds["keys"], rounds["open"])]
+    ratio = statistics.median(ratios)
+    keys_rps, open_rps = statistics.median(rounds["keys"]), statistics.median(rounds["open"])
+    p50 = {side: percentile(values, 50) for side, values in latencies.items()}
+    for side in sides:
+        print(f"{side}: {statistics.median(rounds[side]):7.1f} req/s at concurrency {args.concurrency}; p50 "
+              f"{p50[side]:6.2f} ms at concurrency 1; non-200 {failures[side]}")
+    print(f"throughput keys/open = {ratio:.3f}x, median of {args.rounds} paired rounds (min {min(ratios):.3f}, "
+          f"max {max(ratios):.3f}; goal >= 0.98x); +p50 = {p50['keys'] - p50['open']:+.2f} ms (goal < 0.5 ms); "
+          f"ratio of medians {keys_rps / open_rps:.3f}x")
+    assert failures["keys"] == failures["open"] == 0, failures
+    record(Path(__file__).name, keys_rps, "req/s (ratio = median of paired rounds)", open_rps, ratio,
+           f">= 0.98x the same ingress without keys, {args.keys} scoped keys with limits (echo engine)")
+    record(f"{Path(__file__).name}:p50", p50["keys"], "ms p50 at concurrency 1", p50["open"],
+           p50["keys"] / p50["open"], "scoped keys add < 0.5 ms to the p50")
+
+
+if __name__ == "__main__":
+    main()
