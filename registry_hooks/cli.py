@@ -18,7 +18,8 @@ Exit codes: 0 done; 1 error (MLflow/S3 unreachable, ...); 2 usage; 3 unknown mod
 no tracked eval table); 4 refused (invalid adapter, the eval guardrail without --force, or the live eval gate
 of --verify without --force); 5 sync did not converge;
 6 `status` found drift (registry intent != served manifest) or refusals; 7 `verify` found served answers
-that differ from the tracked eval.
+that differ from the tracked eval; 8 MLflow refused the authenticated user the permission the move needs
+(EDIT on the registered model; nothing was changed).
 """
 from __future__ import annotations
 
@@ -184,7 +185,7 @@ def main(ctx: click.Context, config_path: str | None) -> None:
 
     Exit codes: 0 done, 1 error, 2 usage, 3 unknown model/version/alias, 4 refused (invalid adapter, eval
     guardrail, or the live eval gate of --verify), 5 no convergence, 6 status found drift or refusals,
-    7 verify found served answers that differ from the tracked eval.
+    7 verify found served answers that differ from the tracked eval, 8 MLflow denied the move (permissions).
     """
     ctx.obj = config_path
 

@@ -15,7 +15,7 @@ from registry_hooks import registry, storage
 from registry_hooks.adapter import InvalidAdapter
 from registry_hooks.plan import drift, parse_time, referenced_folders, rollback_target, served_gate_refusal
 from registry_hooks.reconcile import ManifestCache, ModelState, read_states
-from registry_hooks.sync import NotFound, Promoter, PromotionError, Refused, SyncConflict, SyncReport
+from registry_hooks.sync import Forbidden, NotFound, Promoter, PromotionError, Refused, SyncConflict, SyncReport
 from rlops.config import Config
 from rlops.layout import (TAG_FORCE, TAG_METRIC_KEY, TAG_METRIC_VALUE, Collected, MoveNote, RoutesManifest,
                           canary_alias, is_valid_alias, is_valid_name, utc_now, version_folder)
@@ -159,27 +159,34 @@ def _move_alias(promoter: Promoter, model: str, alias: str, version: int, *, tri
     collecting = promoter.collecting_reason(manifest, version)
     if collecting:
         raise Refused(collecting)
-    try:
-        if dry_run:
-            promoter.inspect(model, version)
-        else:
-            promoter.prepare(model, version, collected=version in manifest.collected_versions())
-    except InvalidAdapter as exc:
-        if not dry_run:
-            registry.set_tags(promoter.mlflow, model, version, {registry.REFUSED_TAG: str(exc)})
-        raise Refused(f"v{version} of {model!r} cannot be served: {exc}") from None
     if dry_run:
+        try:
+            promoter.inspect(model, version)
+        except InvalidAdapter as exc:
+            raise Refused(f"v{version} of {model!r} cannot be served: {exc}") from None
         return SyncReport(model=model, trigger=trigger, generation=manifest.generation,
                           served={a: r.version for a, r in manifest.aliases.items()}, promoted={alias: version},
                           copy_mode=promoter.last_mode, warnings=["dry run: nothing was copied or changed"])
-    if override:
-        registry.set_tags(promoter.mlflow, model, version, {TAG_FORCE: f"{actor or 'unknown'} at {utc_now()}: {override}"})
     key = alias if set_intent is None else canary_alias(alias)  # set_intent is the canary's
+    # The note needs the MLflow permission the move needs: a user who may not move the alias is refused here,
+    # before anything is copied or tagged.
     note = _note_move(promoter, model, key, version, trigger=trigger, actor=actor, reason=reason)
-    if set_intent is None:
-        registry.set_alias(promoter.mlflow, model, alias, version)
-    else:
-        set_intent()
+    try:
+        try:
+            promoter.prepare(model, version, collected=version in manifest.collected_versions())
+        except InvalidAdapter as exc:
+            registry.set_tags(promoter.mlflow, model, version, {registry.REFUSED_TAG: str(exc)})
+            raise Refused(f"v{version} of {model!r} cannot be served: {exc}") from None
+        if override:
+            registry.set_tags(promoter.mlflow, model, version,
+                              {TAG_FORCE: f"{actor or 'unknown'} at {utc_now()}: {override}"})
+        if set_intent is None:
+            registry.set_alias(promoter.mlflow, model, alias, version)
+        else:
+            set_intent()
+    except BaseException:
+        _drop_note(promoter, model, key, note)  # this move did not happen: nobody may be credited with it
+        raise
     report = promoter.sync(model, trigger=trigger)
     _forget_move(promoter, model, key, note, report)
     served = report.canaries.get(alias, {}).get("version") if set_intent else report.served.get(alias)
@@ -193,8 +200,22 @@ def _note_move(promoter: Promoter, model: str, key: str, version: int | None, *,
                reason: str | None) -> MoveNote:
     """Who moves `key`, on the registry before it changes: every publisher of the move records this author."""
     note = MoveNote(move_id=uuid.uuid4().hex, version=version, trigger=trigger, actor=actor, reason=reason)
-    registry.note_move(promoter.mlflow, model, key, note)
+    try:
+        registry.note_move(promoter.mlflow, model, key, note)
+    except MlflowException as exc:
+        if exc.get_http_status_code() == 403:
+            raise Forbidden(f"{actor or 'this user'} may not move {key!r} of {model!r}: MLflow requires EDIT (or "
+                            f"MANAGE) on the registered model to change its aliases; nothing was changed "
+                            f"({exc.message})") from None
+        raise
     return note
+
+
+def _drop_note(promoter: Promoter, model: str, key: str, note: MoveNote) -> None:
+    try:
+        registry.forget_move(promoter.mlflow, model, key, note.move_id)
+    except MlflowException as exc:
+        log.warning("move note rlops.move.%s of %s not removed after a failed move: %s", key, model, exc.message)
 
 
 def _forget_move(promoter: Promoter, model: str, key: str, note: MoveNote, report: SyncReport) -> None:

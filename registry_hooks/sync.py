@@ -80,6 +80,12 @@ class SyncConflict(PromotionError):
     exit_code = 5
 
 
+class Forbidden(PromotionError):
+    """MLflow refused the authenticated user the permission the move needs (403); nothing was changed."""
+
+    exit_code = 8
+
+
 @dataclass
 class SyncReport:
     model: str

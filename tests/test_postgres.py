@@ -37,6 +37,7 @@ from rlops.config import Config, load_config
 from rlops.processes import free_port
 
 from conftest import write_config
+from test_promotion_support import lora_template  # noqa: F401 - a fixture
 
 RLOPS = [str(Path(sys.executable).parent / "rlops")]  # the installed console script, as users run it
 PG_USER = "rlops"
@@ -429,3 +430,50 @@ def test_user_without_edit_cannot_move_alias(client, pg_mlflow, monkeypatch, uni
         with pytest.raises(MlflowException) as unauthenticated:
             client.get_registered_model(model)
         assert unauthenticated.value.get_http_status_code() == 401
+
+
+def test_promote_by_a_user_mlflow_denies_changes_nothing_and_the_history_names_who_moved(
+        client, pg_mlflow, stack, unique_name, lora_template, tmp_path):
+    """Two real MLflow users: `promote` acts within MLflow's permissions. A READ user is refused with exit 8
+    before anything is copied or tagged; an EDIT user promotes, and the history credits that user."""
+    from click.testing import CliRunner
+    from mlflow.server import get_app_client
+
+    from registry_hooks.cli import main as promote_cli
+    from test_promotion_support import folder_objects, read_manifest, register_version, write_adapter
+
+    model = f"pg-promote-{unique_name}"
+    config = pg_mlflow.config.model_copy(deep=True)
+    config.registry.models = [model]
+    config.tracking.experiment = f"pg-promote-{unique_name}"
+    config.serving.dynamic_lora_loading_path = f"s3://{config.storage.bucket}/lora-pg-{unique_name}"
+    config_path = write_config(tmp_path / "mlflow.yaml", config.model_dump(exclude_none=True))
+    version = register_version(config, write_adapter(lora_template, tmp_path / "a1", config), step=1)
+    auth = get_app_client("basic-auth", tracking_uri=pg_mlflow.tracking_uri)
+    passwords = {role: secrets.token_urlsafe(12) for role in ("reader", "editor")}
+    for role, password in passwords.items():
+        auth.create_user(f"{role}-{unique_name}", password)
+        auth.grant_user_permission(f"{role}-{unique_name}", "registered_model", model,
+                                   "READ" if role == "reader" else "EDIT")
+
+    def promote_as(role: str) -> tuple[int, str]:
+        env = {**pg_mlflow.env, "MLFLOW_TRACKING_USERNAME": f"{role}-{unique_name}",
+               "MLFLOW_TRACKING_PASSWORD": passwords[role]}
+        result = CliRunner().invoke(promote_cli, ["--config", str(config_path), model, "--version", str(version),
+                                                  "--to", "production", "--json"], env=env)
+        return result.exit_code, result.stdout + result.stderr
+
+    code, output = promote_as("reader")
+    assert code == 8 and f"reader-{unique_name}" in output and "nothing was changed" in output, output
+    assert "production" not in client.get_registered_model(model).aliases
+    assert not [key for key in client.get_registered_model(model).tags if key.startswith("rlops.move.")]
+    assert read_manifest(stack, config, model) is None
+    assert folder_objects(stack, config, f"{model}-v{version}") == {}  # nothing copied
+
+    code, output = promote_as("editor")
+    assert code == 0, output
+    assert client.get_model_version_by_alias(model, "production").version == str(version)
+    history = CliRunner().invoke(promote_cli, ["--config", str(config_path), "history", model, "--json"],
+                                 env={**pg_mlflow.env, "MLFLOW_TRACKING_USERNAME": ADMIN,
+                                      "MLFLOW_TRACKING_PASSWORD": pg_mlflow.admin_password})
+    assert [e["actor"] for e in json.loads(history.stdout)] == [f"editor-{unique_name}"], history.output
