@@ -118,6 +118,12 @@ class Task(ABC):
     def skyrl_sample_columns(self, entry: Mapping[str, Any]) -> dict[str, Any]:
         return {}
 
+    def request_item(self, image: Any, text: str) -> TaskItem | None:
+        """The item a served request is, read from the request itself (its image, an RGB uint8 array, and
+        the user's text), so production traffic can be scored; None where the task cannot tell (the
+        default: such requests are traced unscored)."""
+        return None
+
     def illustrate(self, item: TaskItem, completion: str) -> Any:
         """The item's image with what `completion` did drawn on it (the maze draws the walk), an RGB uint8
         array: the demo's lift picture shows it. The item's own image unless the task can draw more."""

@@ -131,6 +131,26 @@ def render(maze: Maze, agent: Position | None = None) -> np.ndarray:
     return image
 
 
+def read_image(image: np.ndarray) -> Maze | None:
+    """The maze `render` drew (walls, start, goal), read back from its pixels; None for any other image (a
+    resized or lossy copy, another picture). Seed -1: the layout came from an image, not a generator."""
+    if image.ndim != 3 or image.shape[2] < 3 or image.shape[0] != image.shape[1] or image.shape[0] % CELL_PX:
+        return None
+    size = image.shape[0] // CELL_PX
+    cells = image[:, :, :3].reshape(size, CELL_PX, size, CELL_PX, 3)
+    corner = cells[:, 0, :, 0]  # a cell's corner is never under the target square or the agent disc
+    centre = cells[:, CELL_PX // 2, :, CELL_PX // 2]
+    walls, paths = (corner == WALL_RGB).all(-1), (corner == PATH_RGB).all(-1)
+    goals, agents = np.argwhere((centre == TARGET_RGB).all(-1)), np.argwhere((centre == AGENT_RGB).all(-1))
+    if size < 3 or not (walls | paths).all() or len(goals) != 1 or len(agents) != 1:
+        return None
+    rows = tuple("".join("#" if wall else "." for wall in row) for row in walls)
+    start, goal = (int(agents[0][0]), int(agents[0][1])), (int(goals[0][0]), int(goals[0][1]))
+    if rows[start[0]][start[1]] == "#" or rows[goal[0]][goal[1]] == "#":
+        return None
+    return Maze(seed=-1, size=size, rows=rows, start=start, goal=goal)
+
+
 def render_walk(maze: Maze, cells: tuple[Position, ...]) -> np.ndarray:
     """The maze with the cells a walk went through tinted, the agent where it ended."""
     image = render(maze, agent=cells[-1] if cells else None)

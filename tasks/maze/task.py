@@ -7,6 +7,7 @@ scorer rebuilds the maze without regenerating it.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import random
 from typing import Any, Literal, Mapping
@@ -16,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlops.task import Outcome, Task, TaskError, TaskItem
 from tasks.maze import datasets as ds
-from tasks.maze.env import (Maze, WalkResult, answer_moves, answer_text, random_walk, render, render_walk, solve,
-                            walk_answer)
+from tasks.maze.env import (Maze, WalkResult, answer_moves, answer_text, random_walk, read_image, render, render_walk,
+                            solve, walk_answer)
 from tasks.maze.trajectories import eval_sample_columns
 
 
@@ -119,6 +120,15 @@ class MazeTask(Task):
 
     def sample_columns(self, item: TaskItem, completion: str) -> dict[str, Any]:
         return {"moves": " ".join(answer_moves(completion))}
+
+    def request_item(self, image: np.ndarray, text: str) -> TaskItem | None:
+        """A served maze is scored from its picture: the walls, start and goal are in the pixels."""
+        maze = read_image(image)
+        if maze is None:
+            return None
+        layout = maze.layout()
+        digest = hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
+        return TaskItem(f"served-{digest}", text, functools.partial(render, maze), layout)
 
     def illustrate(self, item: TaskItem, completion: str) -> np.ndarray:
         maze = item_maze(item)
