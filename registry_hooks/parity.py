@@ -14,7 +14,7 @@ from registry_hooks import registry
 from registry_hooks.sync import NotFound, PromotionError
 from rlops.chat_client import ChatClient, ChatError
 from rlops.config import Config
-from rlops.layout import TAG_METRIC_KEY, TAG_STEP
+from rlops.layout import TAG_METRIC_KEY, TAG_STEP, version_model_id
 from rlops.task import TAG_TASK, TASK_PARAM_PREFIX, Task, TaskError, load_task
 from tracker.evals import eval_source, table_artifact
 from tracker.registry import eval_outcomes
@@ -93,7 +93,9 @@ def verify_served(config: Config, model: str, *, alias: str | None, version: int
         registered = client.get_model_version(model, str(version))
     except Exception:  # noqa: BLE001
         raise NotFound(f"version {version} of registered model {model!r} does not exist") from None
-    model_id = registered.model_id or registered.source.removeprefix("models:/")
+    model_id = version_model_id(registered.model_id, registered.source)
+    if model_id is None:
+        raise NotFound(f"version {version} was not registered from a LoggedModel (source {registered.source!r})")
     logged = client.get_logged_model(model_id)
     if TAG_STEP not in logged.tags:
         raise NotFound(f"version {version} was not logged by the tracker (its LoggedModel has no {TAG_STEP} tag)")

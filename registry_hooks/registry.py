@@ -12,7 +12,8 @@ from registry_hooks.adapter import InvalidAdapter
 from registry_hooks.plan import Intent
 from rlops.config import Config
 from rlops.layout import (CANARY_WEIGHT_TAG, MOVE_NOTE_TAG, TAG_BASE_MODEL, TAG_EVAL_SET, TAG_METRIC_KEY,
-                          TAG_METRIC_VALUE, TAG_SHA256, MoveNote, S3Location, canary_alias, parse_s3_uri)
+                          TAG_METRIC_VALUE, TAG_SHA256, MoveNote, S3Location, canary_alias, parse_s3_uri,
+                          version_model_id)
 
 MOVE_REASON_LIMIT = 2000
 LEGACY_PRODUCTION_STAGE = "Production"
@@ -202,8 +203,8 @@ def version_source(client: MlflowClient, model: str, version: int) -> VersionSou
     version_tags = dict(mv.tags or {})
     source_tags: dict[str, str] = {}
     artifact_uri = mv.source
-    model_id = mv.model_id or (mv.source[len("models:/"):] if mv.source.startswith("models:/") else None)
-    if model_id and "/" not in model_id:
+    model_id = version_model_id(mv.model_id, mv.source)
+    if model_id:
         try:
             logged = client.get_logged_model(model_id)
         except MlflowException as exc:

@@ -141,6 +141,29 @@ def parse_s3_uri(uri: str) -> S3Location:
     return S3Location(bucket=bucket, prefix=prefix.strip("/"))
 
 
+# Traces of served requests: serving.trace_writer writes them, training.prompt_sets exports them, the hooks
+# service's retention deletes them (only those carrying TRACE_TAG_ENDPOINT)
+TRACE_TAG_ENDPOINT = "rlops.endpoint"
+TRACE_TAG_IMAGES = "rlops.images"  # the request's image digests, comma-separated
+TRACE_TAG_PASSED = "rlops.task_passed"  # the task's verdict as a tag: `search_traces` filters on it
+TRACE_MODEL_ID = "mlflow.modelId"  # trace metadata linking it to a LoggedModel (MLflow's UI and search)
+TRACE_SCORE, TRACE_PASSED = "task_score", "task_passed"  # the task scorer's assessments
+TRACE_IMAGE_REF = "rlops-image://sha256/"  # + hex: an image in the messages, stored once...
+TRACE_IMAGES_DIR = "rlops-images"  # ...under the experiment's artifact root as <sha256>.<ext>
+
+
+LOGGED_MODEL_URI = "models:/"  # + a LoggedModel id: a registered version's source when the tracker made it
+
+
+def version_model_id(model_id: str | None, source: str) -> str | None:
+    """The LoggedModel id of a registered version: its `model_id` where the registry returns one (the REST
+    API does not yet), else read from its `models:/<id>` source; None for any other source."""
+    if model_id:
+        return model_id
+    rest = source[len(LOGGED_MODEL_URI):] if source.startswith(LOGGED_MODEL_URI) else ""
+    return rest if rest and "/" not in rest else None
+
+
 def version_folder(model: str, version: int) -> str:
     """The immutable folder name of one promoted version (never accepted from clients)."""
     return f"{model}-v{int(version)}"

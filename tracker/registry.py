@@ -17,7 +17,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 
 from rlops.eval_table import table_outcomes
-from rlops.layout import TAG_EVAL_SET, TAG_METRIC_KEY, TAG_METRIC_VALUE, TAG_RUN_ID, TAG_STEP
+from rlops.layout import LOGGED_MODEL_URI, TAG_EVAL_SET, TAG_METRIC_KEY, TAG_METRIC_VALUE, TAG_RUN_ID, TAG_STEP, version_model_id
 from tracker.checkpoints import MODEL_TYPE
 from tracker.evals import table_artifact
 
@@ -84,7 +84,7 @@ def register_checkpoint(client: MlflowClient, name: str, run_id: str, best: Scor
     except MlflowException as exc:
         if exc.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
             raise
-    source = f"models:/{best.model_id}"
+    source = f"{LOGGED_MODEL_URI}{best.model_id}"
     existing = [v for v in client.search_model_versions(f"name = '{name}' AND run_id = '{run_id}'")
                 if v.source == source]
     if existing:
@@ -103,8 +103,8 @@ def register_checkpoint(client: MlflowClient, name: str, run_id: str, best: Scor
 
 def registered_sources(client: MlflowClient, name: str, run_id: str) -> set[str]:
     """model ids of this run's checkpoints that are registered versions of `name`."""
-    return {v.source.removeprefix("models:/") for v in client.search_model_versions(
-        f"name = '{name}' AND run_id = '{run_id}'")}
+    return {version_model_id(v.model_id, v.source) for v in client.search_model_versions(
+        f"name = '{name}' AND run_id = '{run_id}'")} - {None}
 
 
 def retention_victims(models: list[LoggedModel], scored: list[ScoredCheckpoint], keep_best: int,
