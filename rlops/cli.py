@@ -49,6 +49,17 @@ def echo_keys_file(config: Config) -> None:
         click.echo(f"  keys file: {exc} (a running endpoint keeps the last good one; a new one will not start)")
 
 
+def echo_traces(config: Config) -> None:
+    import serving
+
+    counts = serving.trace_status(config)
+    if isinstance(counts, str):
+        click.echo(f"  traces: not counted: {counts}")
+    else:
+        click.echo(f"  traces at {config.serving.traces.sample_rate:.0%}: {counts['recorded']} recorded "
+                   f"({counts['scored']} scored), {counts['dropped']} dropped (queue full), {counts['failed']} failed")
+
+
 def _print_status(parts: list[PartStatus]) -> None:
     for part in parts:
         state = "healthy" if part.healthy else ("running, unhealthy" if part.running else "down")
@@ -123,6 +134,8 @@ def status(obj: CliContext) -> None:
             echo_dead_webhooks(checks)
     if obj.config.serving.keys_file:
         echo_keys_file(obj.config)
+    if obj.config.serving.traces.sample_rate > 0 and any(p.name == "serve" and p.running for p in parts):
+        echo_traces(obj.config)
     down = [p.name for p in parts if p.managed and not p.healthy]
     if down:
         click.echo(f"not running: {', '.join(down)} (`rlops up` starts the stack)", err=True)

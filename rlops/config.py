@@ -194,6 +194,19 @@ class VllmCpuConfig(_Section):
                                                 description="multimodal items per prompt (a task item: one image)")
 
 
+class TracesConfig(_Section):
+    """Served requests recorded as MLflow traces (README 'From production back to training')."""
+
+    sample_rate: float = Field(0.1, ge=0, le=1, description="share of requests traced; 0 = off")
+    content: bool = Field(True, description="record messages, images and answers; off: metadata only (model, "
+                          "version, tokens, timings, status, the task's score)")
+    retention_days: float = Field(30.0, gt=0, description="`rlops hooks serve` deletes traces older than this")
+    queue_size: int = Field(1000, ge=1, description="traces waiting for MLflow per ingress replica; beyond it "
+                            "requests are served untraced and counted as dropped")
+    experiment: str = Field("rlops-serving", min_length=1, description="experiment of the base model's traces; a "
+                            "version's traces go to its LoggedModel's experiment")
+
+
 class ServingConfig(_Section):
     base_model_id: str = Field("visgym-qwen3vl", pattern=NAME_PATTERN)
     model_source: str | None = Field(None, description="HF id or path of the base weights; default: the data dir's tiny base")
@@ -235,6 +248,7 @@ class ServingConfig(_Section):
     max_request_tokens: int = Field(16384, ge=1, description="most generated tokens one request may ask for: "
                                     "sequences x max_tokens (a 400 names the parameter above it)")
     secrets_name: str = Field("rlops-serving", description="Kubernetes Secret that --print-config references")
+    traces: TracesConfig = Field(default_factory=TracesConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -633,11 +647,16 @@ def s3_environment(config: Config, environ: Mapping[str, str] | None = None) -> 
     return env
 
 
+MLFLOW_AUTH_ENV = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+
+
 def replica_environment(config: Config, environ: Mapping[str, str]) -> dict[str, str]:
-    """Env every serving replica needs: S3 settings and credentials, and the API keys variable when auth is
-    on. It reaches the replicas as the Ray node's process env (`rlops serve`'s own Ray, or the nodes `rlops up`
+    """Env every serving replica needs: S3 settings and credentials, MLflow's basic auth for the traces when
+    the server requires it, and the API keys variable when auth is on. It reaches the replicas as the Ray node's process env (`rlops serve`'s own Ray, or the nodes `rlops up`
     starts), never as a `runtime_env`, which Ray logs, shows in job info and keeps in its session dir."""
     env = s3_environment(config, environ)
+    if config.server.auth and config.serving.traces.sample_rate > 0:  # the ingress writes traces as this user
+        env.update({k: environ[k] for k in MLFLOW_AUTH_ENV if environ.get(k)})
     name = config.serving.api_keys_env
     if name:
         if not environ.get(name, "").strip():

@@ -10,9 +10,13 @@ import signal
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from rlops.config import Config, ConfigError, ray_client_env, replica_environment, s3_environment
+import httpx
+
+from rlops.config import (MLFLOW_AUTH_ENV, Config, ConfigError, ray_client_env, replica_environment,
+                          s3_environment)
 from serving.access import KeysFileError, parse_keys_file
 from serving.routes import PRELOAD_KEY
+from serving.traces import trace_counts
 
 INGRESS_CLS = "serving.ingress:AliasIngress"
 SERVER_CLS = "serving.preload:PreloadingLLMServer"
@@ -85,7 +89,30 @@ def ingress_settings(config: Config) -> dict[str, Any]:
         # the replicas' working directory is Ray's, not ours
         "keys_file": str(Path(serving.keys_file).expanduser().resolve()) if serving.keys_file else None,
         "ingress_replicas": serving.ingress_replicas,
+        "traces": trace_settings(config),
     }
+
+
+def trace_settings(config: Config) -> dict[str, Any]:
+    """`serving.trace_writer.TraceWriterSettings`: where and how the ingress records its traces."""
+    traces = config.serving.traces
+    return {"sample_rate": traces.sample_rate, "content": traces.content, "queue_size": traces.queue_size,
+            "experiment": traces.experiment, "tracking_uri": config.tracking_uri, "task_path": config.task.path,
+            "task_options": dict(config.task.options)}
+
+
+def trace_status(config: Config) -> dict[str, int] | str:
+    """The running endpoint's trace outcomes (recorded, scored, dropped, failed) from its Prometheus metrics,
+    or why they cannot be read."""
+    if config.serving.metrics_port is None:
+        return "set serving.metrics_port to count them"
+    url = f"http://{config.serving.host}:{config.serving.metrics_port}/metrics"
+    try:
+        response = httpx.get(url, timeout=5)
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        return f"metrics at {url} did not answer ({type(exc).__name__})"
+    return trace_counts(response.text)
 
 
 def check_keys_file(config: Config) -> int:
@@ -132,8 +159,9 @@ def build_app(config: Config, accelerator: str | None = None):
 def serve_config_v2(config: Config) -> dict[str, Any]:
     """A RayService `spec.serveConfigV2` (vLLM on GPU clusters) plus the pod env it expects.
 
-    Secrets are never values here: S3 credentials and API keys are `secretKeyRef`s to the Kubernetes
-    Secret `serving.secrets_name`, to be put in the env of every Ray container.
+    Secrets are never values here: S3 credentials, API keys and (with `server.auth`, for the traces) MLflow's
+    basic-auth user are `secretKeyRef`s to the Kubernetes Secret `serving.secrets_name`, to be put in the env
+    of every Ray container.
     """
     # Placeholder credentials only make s3_environment skip its credential lookup; they are filtered out.
     placeholders = dict.fromkeys(S3_SECRET_ENV, "-")
@@ -145,7 +173,8 @@ def serve_config_v2(config: Config) -> dict[str, Any]:
         "runtime_env": {"env_vars": env_vars},
         "args": app_args(config, "gpu"),
     }
-    secret_names = [*S3_SECRET_ENV, *([config.serving.api_keys_env] if config.serving.api_keys_env else [])]
+    secret_names = [*S3_SECRET_ENV, *([config.serving.api_keys_env] if config.serving.api_keys_env else []),
+                    *(MLFLOW_AUTH_ENV if config.server.auth and config.serving.traces.sample_rate > 0 else ())]
     pod_env = [{"name": name, "valueFrom": {"secretKeyRef": {"name": config.serving.secrets_name, "key": name}}}
                for name in secret_names]
     return {

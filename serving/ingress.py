@@ -32,6 +32,8 @@ from ray.serve.llm.ingress import OpenAiIngress
 from rlops.layout import ModelNameError, Resolution
 from serving.access import AccessControl, AccessError, KeyScope, RateLimiter, env_scopes
 from serving.routes import RoutesSettings, internal_model_id, replica_routes_cache
+from serving.trace_writer import TraceWriter, TraceWriterSettings, task_scorer
+from serving.traces import ServedRequest
 from serving.validation import RequestError, RequestLimits, check_body
 
 # A child of Ray Serve's logger: replica logs with its request/replica context, at its level.
@@ -52,6 +54,7 @@ class IngressSettings(RoutesSettings):
     api_keys_env: str | None = None  # name of the env var with comma-separated all-models keys
     keys_file: str | None = None  # scoped keys (serving.access); neither: no auth
     ingress_replicas: int = Field(1, ge=1)  # each replica enforces its share of a key's rate limits
+    traces: TraceWriterSettings | None = None  # None or sample rate 0: nothing is traced
 
 
 class ClientError(Exception):
@@ -171,6 +174,14 @@ def scrub(message: str, *secrets_to_hide: tuple[str, str]) -> str:
 
 
 @dataclass(frozen=True)
+class Sampled:
+    """A request picked for a trace: what the writer needs that the response does not carry."""
+    raw: bytes
+    started_ns: int
+    client: str | None
+
+
+@dataclass(frozen=True)
 class Charge:
     """What a scoped request was charged against its key's limits."""
     scope: KeyScope
@@ -228,6 +239,12 @@ class IngressMetrics:
                                       "or the whole body) in ms.", boundaries=LATENCY_BOUNDARIES_MS, tag_keys=self.TAGS)
         self.tokens = metrics.Counter("rlops_serving_tokens", "Prompt and completion tokens by resolved alias/version.",
                                       tag_keys=(*self.TAGS, "kind"))
+        self.traces = metrics.Counter("rlops_serving_traces", "Sampled requests by what became of their trace: "
+                                      "recorded, scored, dropped (queue full), failed (MLflow refused it).",
+                                      tag_keys=("outcome",))
+
+    def count_traces(self, outcome: str, n: int) -> None:
+        self.traces.inc(n, tags={"outcome": outcome})
 
     def record(self, resolution: Resolution | None, endpoint: str, status: int, latency_ms: float, *,
                ttft_ms: float | None = None, usage: tuple[int, int] | None = None) -> None:
@@ -273,6 +290,9 @@ class AliasIngress(OpenAiIngress):
         self._routes.start()
         self._replica_headers = {REPLICA_HEADER: serve.get_replica_context().replica_tag}
         self._metrics = IngressMetrics()
+        traces = self._settings.traces
+        self._traces = (TraceWriter(traces, self._metrics.count_traces, task_scorer(traces)).start()
+                        if traces is not None and traces.sample_rate > 0 else None)
         # A retry after one routes refresh sees whatever the registry now publishes for the name.
         self._retry_after_s = max(1, math.ceil(self._settings.staleness_s))
 
@@ -280,6 +300,9 @@ class AliasIngress(OpenAiIngress):
         routes = getattr(self, "_routes", None)
         if routes is not None:
             routes.stop(wait=False)
+        traces = getattr(self, "_traces", None)
+        if traces is not None:
+            traces.stop()
 
     # --------------------------------------------------------------------------------- endpoints
 
@@ -362,12 +385,16 @@ class AliasIngress(OpenAiIngress):
         started = time.perf_counter()
         resolution: Resolution | None = None
         charge: Charge | None = None
+        sample: Sampled | None = None
         try:
             scope = self._scope(request)
-            body = parse_request(await self._read_body(request), request_cls, self._limits)
+            raw = await self._read_body(request)
+            body = parse_request(raw, request_cls, self._limits)
             key = client_key(getattr(body, "user", None), request.headers.get(SESSION_HEADER),
                              request.headers.get("authorization"))
             resolution = resolve(self._routes.table, body.model, key, scope)
+            if self._traces is not None and self._traces.sample():
+                sample = Sampled(raw, time.time_ns() - int((time.perf_counter() - started) * 1e9), key)
             if scope is not None:
                 charge = Charge(scope, charged_tokens(body, self._limits.max_request_tokens))
                 try:
@@ -378,18 +405,19 @@ class AliasIngress(OpenAiIngress):
         except ClientError as err:
             if charge is not None and err.status != 429:
                 self._limiter.settle(charge.scope, charge.tokens, 0)  # it ran nothing
-            self._finish(resolution, endpoint, err.status, started, stream=False)
             response = err.response()
+            self._finish(resolution, endpoint, err.status, started, stream=False, sample=sample, answer=response.body)
             response.headers.update(self._replica_headers)
             return response
         response.headers.update(self._replica_headers)
         if isinstance(response, StreamingResponse):
-            response.body_iterator = self._finish_after(response.body_iterator, resolution, endpoint, started, charge)
+            response.body_iterator = self._finish_after(response.body_iterator, resolution, endpoint, started, charge,
+                                                        sample)
         else:
             usage = usage_in(response.body)
             self._settle(charge, usage)
             self._finish(resolution, endpoint, response.status_code, started, stream=False,
-                         first_byte=time.perf_counter(), usage=usage)
+                         first_byte=time.perf_counter(), usage=usage, sample=sample, answer=response.body)
         return response
 
     def _settle(self, charge: Charge | None, usage: tuple[int, int] | None) -> None:
@@ -446,10 +474,11 @@ class AliasIngress(OpenAiIngress):
         return response
 
     async def _finish_after(self, chunks: AsyncIterator, resolution, endpoint: str, started: float,
-                            charge: Charge | None = None):
+                            charge: Charge | None = None, sample: Sampled | None = None):
         """Counts a stream when it ends: an engine error after the 200 headers (an error event, or the stream
         raising) is a 500 in the metrics, a client that went away a 499."""
         status, first_byte, usage = 200, None, None
+        kept: list = []  # a sampled stream's chunks, for its trace
         try:
             async for chunk in chunks:
                 if first_byte is None:
@@ -457,6 +486,8 @@ class AliasIngress(OpenAiIngress):
                 if is_error_event(chunk):
                     status = 500
                 usage = usage_in(chunk) or usage
+                if sample is not None:
+                    kept.append(chunk)
                 yield chunk
         except (asyncio.CancelledError, GeneratorExit):
             status = 499  # the client went away
@@ -466,14 +497,22 @@ class AliasIngress(OpenAiIngress):
             raise
         finally:
             self._settle(charge, usage)
-            self._finish(resolution, endpoint, status, started, stream=True, first_byte=first_byte, usage=usage)
+            self._finish(resolution, endpoint, status, started, stream=True, first_byte=first_byte, usage=usage,
+                         sample=sample, answer=kept)
 
     def _finish(self, resolution: Resolution | None, endpoint: str, status: int, started: float, *, stream: bool,
-                first_byte: float | None = None, usage: tuple[int, int] | None = None) -> None:
+                first_byte: float | None = None, usage: tuple[int, int] | None = None, sample: Sampled | None = None,
+                answer: bytes | list = b"") -> None:
         latency_ms = (time.perf_counter() - started) * 1000
         ttft_ms = (first_byte - started) * 1000 if first_byte is not None else None
         self._metrics.record(resolution, endpoint, status, latency_ms, ttft_ms=ttft_ms, usage=usage)
         ref = resolution.ref if resolution else None
+        if sample is not None and resolution is not None:
+            self._traces.offer(ServedRequest(
+                endpoint=endpoint, model_name=ref.raw, registered_model=ref.model, alias=resolution.alias,
+                version=resolution.version, canary=resolution.canary, client=sample.client,
+                started_ns=sample.started_ns, latency_ms=latency_ms, ttft_ms=ttft_ms, status=status, usage=usage,
+                request=sample.raw, answer=answer, stream=stream))
         log.info(json.dumps({
             "event": "request", "endpoint": endpoint, "status": status, "stream": stream,
             "model": ref.raw if ref else None, "alias": resolution.alias if resolution else None,

@@ -13,6 +13,7 @@ import functools
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -36,6 +37,7 @@ pytestmark = pytest.mark.slow
 API_KEY_ENV = "SERVING_TEST_API_KEYS"  # not RLOPS_*: that prefix is reserved for config overrides
 API_KEY = "sk-test-" + uuid.uuid4().hex
 STALENESS_S = 1.0
+TRACE_QUEUE = 16
 TEAM_KEY, LIMITED_KEY, ROTATED_KEY = ("sk-" + kind + "-" + uuid.uuid4().hex for kind in ("team", "limited", "rotated"))
 LIMITED_RPM = 3
 TARGETS = {"a": "right right right right", "b": "down down left left"}  # what each adapter is trained to say
@@ -173,6 +175,8 @@ def served(stack, tmp_path_factory) -> ServedApp:
             "port": processes.free_port(), "replica_cpus": 0.5, "routes_staleness_s": STALENESS_S,
             "api_keys_env": API_KEY_ENV, "max_request_bytes": 2 * 1024 * 1024, "metrics_port": processes.free_port(),
             "keys_file": str(root / "keys.yaml"),
+            # every request traced, a short queue: the whole module runs with recording on and a freeze fills it
+            "traces": {"sample_rate": 1.0, "queue_size": TRACE_QUEUE, "experiment": f"serving-base-{suffix}"},
         },
     }
     config_path = root / "mlflow.yaml"
@@ -452,6 +456,108 @@ def test_metrics_per_alias_and_logs_without_secrets(served: ServedApp):
     from rlops.config import s3_credentials
 
     assert s3_credentials(served.config)[1] not in log
+
+
+def trace_metrics(served: ServedApp) -> dict[str, int]:
+    from serving.traces import trace_counts
+
+    try:
+        return trace_counts(httpx.get(f"http://127.0.0.1:{served.config.serving.metrics_port}/metrics", timeout=5).text)
+    except httpx.HTTPError:
+        return {}
+
+
+def traces_of(served: ServedApp, filter_string: str, experiment: str | None = None) -> list:
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=served.config.tracking_uri)
+    experiment_id = client.get_experiment_by_name(experiment or served.config.tracking.experiment).experiment_id
+    return client.search_traces(locations=[experiment_id], filter_string=filter_string, max_results=100)
+
+
+def test_served_requests_become_traces_of_their_version_scored_by_the_task(served: ServedApp):
+    """Traces read back with a plain MlflowClient: linked to the version's LoggedModel, tagged with alias,
+    version, the client's hash and tokens, images stored once by digest, and scored by the maze task exactly
+    as the task scores the same answer on the original maze."""
+    import mlflow
+    from rlops.task import load_task
+    from rlops.layout import TRACE_IMAGE_REF as IMAGE_REF_PREFIX, TRACE_IMAGES_DIR as IMAGES_DIR
+    from serving.traces import client_hash
+
+    maze = load_task(served.config.task.path, served.config.task.options)
+    items = maze.eval_items(maze.eval_sets()[0])[:4]
+    user = f"trace-{uuid.uuid4().hex[:8]}"
+    client = served.openai()
+    sent = {}
+    for item in [*items, items[0]]:  # the first maze twice: its picture is stored once
+        answer = client.chat.completions.create(model=served.name(), messages=item.messages(), temperature=0,
+                                                max_tokens=maze.answer_length, user=user)
+        sent[answer.id] = (item, answer.choices[0].message.content)
+    streamed = client.chat.completions.create(model=served.name(), messages=items[1].messages(), temperature=0,
+                                              max_tokens=maze.answer_length, user=user, stream=True)
+    chunks = list(streamed)
+    sent[chunks[0].id] = (items[1], "".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+
+    model_id = mlflow.MlflowClient(tracking_uri=served.config.tracking_uri).get_model_version(served.model, "1").model_id
+    query = f"metadata.`mlflow.modelId` = '{model_id}' AND tags.`rlops.client` = '{client_hash('user:' + user)}'"
+    deadline, found = time.monotonic() + 90, traces_of(served, query)
+    while (len(found) < len(sent) or any(len(t.info.assessments) < 2 for t in found)) and time.monotonic() < deadline:
+        time.sleep(1)
+        found = traces_of(served, query)
+    assert len(found) == len(sent) and all(len(t.info.assessments) == 2 for t in found), trace_metrics(served)
+    digests = set()
+    for trace in found:
+        item, answer = sent[trace.info.client_request_id]
+        expected = maze.score(item, answer)
+        tags = trace.info.tags
+        assert (tags["rlops.alias"], tags["rlops.version"], tags["rlops.registered_model"]) == ("production", "1", served.model)
+        assert tags["rlops.task_passed"] == str(expected.passed).lower() and int(tags["rlops.completion_tokens"]) >= 1
+        scores = {a.name: a for a in trace.info.assessments}
+        assert scores["task_score"].value == expected.score and scores["task_passed"].value == expected.passed
+        assert scores["task_score"].source.source_type == "CODE"
+        url = trace.data.spans[0].inputs["messages"][0]["content"][0]["image_url"]["url"]
+        assert url.startswith(IMAGE_REF_PREFIX) and url.removeprefix(IMAGE_REF_PREFIX) == tags["rlops.images"]
+        digests.add(tags["rlops.images"])
+        assert trace.data.spans[0].outputs["choices"] == [answer]
+        assert API_KEY not in trace.to_json() and "lora-serving" not in trace.to_json()
+    assert len(digests) == len(items)
+    experiment = mlflow.MlflowClient(tracking_uri=served.config.tracking_uri).get_experiment_by_name(
+        served.config.tracking.experiment)
+    stored = {f.path.rsplit("/", 1)[1] for f in mlflow.artifacts.list_artifacts(
+        artifact_uri=f"{experiment.artifact_location}/{IMAGES_DIR}", tracking_uri=served.config.tracking_uri)}
+    assert {f"{d}.png" for d in digests} <= stored
+    base = client.chat.completions.create(model=served.base, messages=chat_messages(False), max_tokens=2, user=user)
+    assert wait_until(lambda: traces_of(served, f"trace.client_request_id = '{base.id}'",
+                                        served.config.serving.traces.experiment), 60)
+
+
+def test_a_frozen_mlflow_fails_no_request_counts_what_it_drops_and_recording_resumes(served: ServedApp, stack,
+                                                                                       tmp_path):
+    import signal
+
+    from click.testing import CliRunner
+
+    from conftest import write_config
+    from rlops.cli import main
+    from rlops.stack import MLFLOW
+
+    mlflow_pid = processes.read_record(stack.config.data_path, MLFLOW).pid
+    before = trace_metrics(served)
+    os.kill(mlflow_pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            codes = list(pool.map(lambda _: chat(served, API_KEY, served.name()).status_code, range(3 * TRACE_QUEUE)))
+    finally:
+        os.kill(mlflow_pid, signal.SIGCONT)
+    assert codes == [200] * len(codes)
+    assert wait_until(lambda: trace_metrics(served).get("dropped", 0) - before.get("dropped", 0) >= TRACE_QUEUE, 40), \
+        trace_metrics(served)
+    after = served.openai().chat.completions.create(model=served.name(), messages=chat_messages(False), max_tokens=2)
+    assert wait_until(lambda: traces_of(served, f"trace.client_request_id = '{after.id}'"), 90), trace_metrics(served)
+    status = CliRunner().invoke(main, ["--config", str(write_config(tmp_path / "mlflow.yaml", served.config.model_dump(
+        exclude_none=True))), "status"])
+    dropped = re.search(r"traces at 100%: \d+ recorded \(\d+ scored\), (\d+) dropped \(queue full\)", status.output)
+    assert dropped and int(dropped.group(1)) >= TRACE_QUEUE, status.output
 
 
 @functools.cache
