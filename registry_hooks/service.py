@@ -24,6 +24,7 @@ from registry_hooks.reconcile import ManifestCache, PassReport, run_pass
 from registry_hooks.operations import RECONCILER_STATUS
 from registry_hooks.subscriptions import WEBHOOK_PATH, HooksError
 from registry_hooks.sync import Promoter, SyncReport, sync_model
+from registry_hooks.trace_retention import prune_traces
 from registry_hooks.webhook import (
     ALIAS_EVENTS,
     MAX_BODY_BYTES,
@@ -37,6 +38,7 @@ from rlops.layout import utc_now
 from tracker import sweep_stale_runs
 
 ERROR_TEXT_LIMIT = 300
+TRACE_PRUNE_EVERY_S = 3600.0
 
 
 def describe_error(context: str, exc: BaseException, config: Config) -> str:
@@ -75,6 +77,7 @@ class Reconciler:
         self.last_pass: PassReport | None = None
         self.pass_error: str | None = None  # why the latest pass could not read the registry or S3
         self._count = threading.Lock()  # pass syncs run on several threads
+        self._next_prune = 0.0  # the first pass prunes expired traces, then every TRACE_PRUNE_EVERY_S
 
     def start(self) -> None:
         self._threads = [threading.Thread(target=self._work, name="rlops-sync-worker", daemon=True)]
@@ -108,9 +111,18 @@ class Reconciler:
             except Exception as exc:  # noqa: BLE001 - same: reported, never fatal to the loop
                 self.last_error = describe_error("sweeping stale runs", exc, self.config)
             started = time.monotonic()
+            if started >= self._next_prune:
+                self._prune_traces()
+                self._next_prune = started + TRACE_PRUNE_EVERY_S
             self._pass()
             # A fixed cadence: a pass longer than the interval is followed at once (health says how far behind).
             self._stop.wait(max(0.0, self.config.hooks.reconcile_interval_s - (time.monotonic() - started)))
+
+    def _prune_traces(self) -> None:
+        try:
+            prune_traces(self.config)
+        except Exception as exc:  # noqa: BLE001 - MLflow unreachable: the next round retries
+            self.last_error = describe_error("trace retention", exc, self.config)
 
     def _pass(self) -> None:
         try:

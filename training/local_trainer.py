@@ -24,6 +24,7 @@ from rlops.config import Config
 from rlops.layout import TAG_BASE_MODEL_SHA256, TAG_TRAINER
 from rlops.task import TAG_TASK, TASK_PARAM_PREFIX, Task, TaskItem
 from training.base import TrainingError, ensure_base, ensure_tiny_init
+from training.prompt_sets import PromptSet, mixed_items
 from training.evaluation import SAMPLED_METRIC, EvalResult, completion_text, evaluate, pil_image, sample_row
 from training.vision_cache import VisionCache
 
@@ -319,12 +320,15 @@ def archive_checkpoints(run_dir: Path, dest: Path) -> None:
 def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps: int | None = None,
           fast: bool = False, resume: bool | None = None, run_name: str | None = None,
           log: Callable[[str], None] = print,
-          report: Callable[[TrainProgress], None] = lambda progress: None) -> TrainResult:
+          report: Callable[[TrainProgress], None] = lambda progress: None,
+          prompts: PromptSet | None = None, prompts_share: float = 0.5) -> TrainResult:
     """Run SFT (cached) if needed, GRPO + LoRA with the tracker, eval on the fixed set after each
     checkpoint, and register the best checkpoint (alias `candidate`). `fast` skips SFT and uses the
     random-init tiny base (tests) and registers without comparing with that base. Returns the curve and the
     before/after pass rates; a best checkpoint that did not beat the step-0 eval registers nothing
     (`registration_refused` says why). `report` hears each step's reward and each eval (a live line).
+    `prompts` (a set exported from production traces) makes `prompts_share` of the GRPO prompts; it is
+    one of the run's dataset inputs.
 
     A run dir whose run did not finish continues it: the trainer resumes from its latest checkpoint
     (weights, optimizer, scheduler, RNG, global step) and the MLflow run continues after its last step.
@@ -351,12 +355,18 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     base_id, base_sha256 = base_identity(config, base)
+    if not 0 < prompts_share <= 1:
+        raise TrainingError(f"prompts_share must be in (0, 1], got {prompts_share!r}")
     train_items = task.train_items(GRPO_PROMPTS)
-    datasets = run_datasets(config, task, train_items)
+    if prompts is not None:
+        train_items = mixed_items(train_items, prompts, prompts_share, local.seed)
+    datasets = run_datasets(config, task, train_items) + ([prompts.dataset()] if prompts is not None else [])
     params = {**local.model_dump(), "base_model": base_id, "fast": fast, "steps": steps, "budget_s": budget_s,
               "task": config.task.path, **{f"{TASK_PARAM_PREFIX}{k}": v for k, v in task.options.model_dump(mode="json").items()},
               "eval_data_source": datasets[1].name, "eval_layout_sha256": datasets[1].layout_sha256,
-              "train_layout_sha256": datasets[0].layout_sha256}
+              "train_layout_sha256": datasets[0].layout_sha256,
+              **({"prompts": prompts.name, "prompts_sha256": prompts.digest, "prompts_share": prompts_share}
+                 if prompts is not None else {})}
     result = TrainResult(run_id="", base_model=base_id, steps=0, seconds=0.0, seconds_per_step=0.0,
                          eval_data_source=datasets[1].name)
     tags = {TAG_TRAINER: "trl-grpo-local", TAG_TASK: config.task.path}

@@ -52,16 +52,22 @@ def base_build(obj: CliContext) -> None:
 @click.option("--json", "as_json", is_flag=True,
               help="Stdout: the result as one JSON document (keys: README, 'rlops train --local --json'); "
               "messages go to stderr.")
+@click.option("--prompts", "prompts_dir", type=click.Path(file_okay=False, exists=True), default=None,
+              help="A prompt set from `rlops data from-traces`: part of the GRPO prompts (a dataset input of the run).")
+@click.option("--prompts-share", type=click.FloatRange(0, 1, min_open=True), default=0.5, show_default=True,
+              help="Share of the GRPO prompts taken from --prompts; the rest are the task's own.")
 @verbose_option
 @pass_ctx
 def train(obj: CliContext, local: bool, dry_run: bool, steps: int | None, budget_s: float | None,
           run_dir: str | None, resume: bool | None, run_name: str | None, fast: bool, as_json: bool,
-          verbose: bool) -> None:
+          prompts_dir: str | None, prompts_share: float, verbose: bool) -> None:
     """Train a LoRA adapter with GRPO on the configured task and register the best checkpoint (alias `candidate`)."""
     if dry_run:
         if local:
             raise click.UsageError("--local and --skyrl-dry-run are two different trainers: pick one")
         return skyrl_dry_run(obj, steps, run_dir, as_json)
+    if prompts_dir is not None and not local:
+        raise click.UsageError("--prompts trains the local trainer: add --local")
     if not local:
         raise click.ClickException(
             "the production job runs on a Ray cluster: submit it with `bash training/train_job.sh` "
@@ -75,6 +81,14 @@ def train(obj: CliContext, local: bool, dry_run: bool, steps: int | None, budget
     if resume is not None and not run_dir:
         raise click.UsageError("--resume and --new-run need --run-dir (the default is a new folder)")
     load_task(obj)  # a wrong task.path or task.options fails here, before anything is built
+    prompts = None
+    if prompts_dir is not None:
+        from training.prompt_sets import PromptSetError, load_prompt_set
+
+        try:
+            prompts = load_prompt_set(Path(prompts_dir))
+        except PromptSetError as exc:
+            raise click.ClickException(str(exc)) from None
     folder = Path(run_dir) if run_dir else obj.config.data_path / "runs" / time.strftime("%Y%m%d-%H%M%S")
     log = folder / "train.log"
     with machine_output(as_json) as emit, quiet(log, verbose=verbose, on_stderr=as_json) as terminal:
@@ -82,7 +96,8 @@ def train(obj: CliContext, local: bool, dry_run: bool, steps: int | None, budget
             terminal.line(f"details and library output: {log}")
         try:
             result = run_training(obj.config, folder, budget_s=budget_s, steps=steps, fast=fast, resume=resume,
-                                  run_name=run_name, log=terminal.line, report=lambda p: terminal.live(p.line()))
+                                  run_name=run_name, log=terminal.line, report=lambda p: terminal.live(p.line()),
+                                  prompts=prompts, prompts_share=prompts_share)
         except (TrainingError, RunDirBusy) as exc:
             raise click.ClickException(f"{exc} (details: {log})") from None
     if as_json:
