@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -24,11 +22,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import record  # noqa: E402
-from ingress_overhead import MODEL, echo_args, load, paired_rounds, percentile, seed_s3  # noqa: E402
+from ingress_overhead import (MODEL, bench_environ, echo_args, echo_serve, load, paired_arguments,  # noqa: E402
+                              paired_rounds, percentile)
 
-from rlops import stack as rlops_stack  # noqa: E402
-from rlops.config import load_config, s3_environment  # noqa: E402
-from rlops.processes import free_port  # noqa: E402
+from rlops.config import load_config  # noqa: E402
 from serving.access import digest  # noqa: E402
 
 
@@ -43,35 +40,19 @@ def keys_file(path: Path, count: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=1200, help="throughput requests per side, all rounds")
-    parser.add_argument("--latency-requests", type=int, default=300, help="concurrency-1 requests per side")
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser = paired_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--keys", type=int, default=100)
     args = parser.parse_args()
 
-    import ray
     from ray import serve
     from ray.serve.llm import build_openai_app
 
     root = Path(tempfile.mkdtemp(prefix="rlops-bench-access-"))
-    s3_port = rlops_stack.free_s3_port()
-    environ = {"RLOPS_DATA_DIR": str(root), "RLOPS_SERVER__PORT": str(free_port()),
-               "RLOPS_STORAGE__ENDPOINT_URL": f"http://127.0.0.1:{s3_port}",
-               "RLOPS_SERVING__MODEL_SOURCE": str(root / "no-weights-needed"),
-               "RLOPS_SERVING__DYNAMIC_LORA_LOADING_PATH": f"s3://rlops/bench-{uuid.uuid4().hex[:8]}",
-               "RLOPS_SERVING__REPLICA_CPUS": "0.5", "RLOPS_REGISTRY__MODELS": f"[{MODEL}]"}
+    environ = bench_environ(root)
     open_config = load_config(environ=environ)
     key = keys_file(root / "keys.yaml", args.keys)
     scoped_config = load_config(environ={**environ, "RLOPS_SERVING__KEYS_FILE": str(root / "keys.yaml")})
-    rlops_stack.up(open_config, timeout_s=90)
-    try:
-        seed_s3(open_config, 0)
-        os.environ.update(s3_environment(open_config))
-        ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with echo_serve(open_config, root) as port:
         serve.run(build_openai_app(echo_args(scoped_config)), name="keys", route_prefix="/keys")
         serve.run(build_openai_app(echo_args(open_config)), name="open", route_prefix="/open")
         name = f"{open_config.serving.base_model_id}:{MODEL}"
@@ -82,13 +63,6 @@ def main() -> None:
             assert failed == 0, f"{url}: {failed} of 50 warm-up requests failed"
         rounds, latencies, failures = paired_rounds(sides, args.rounds, args.requests, args.latency_requests,
                                                     args.concurrency, headers=headers)
-    finally:
-        try:
-            serve.shutdown()
-            ray.shutdown()
-        finally:
-            rlops_stack.down(open_config)
-            shutil.rmtree(root, ignore_errors=True)
 
     ratios = [a / b for a, b in zip(rounds["keys"], rounds["open"])]
     ratio = statistics.median(ratios)

@@ -20,14 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import shutil
 import statistics
 import sys
 import tempfile
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from itertools import count
 from pathlib import Path
@@ -36,10 +33,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import record  # noqa: E402
-from ingress_overhead import build_apps, load, paired_rounds, percentile  # noqa: E402
+from ingress_overhead import (bench_environ, build_apps, echo_serve, load, paired_arguments, paired_rounds,  # noqa: E402
+                              percentile)
 
 from rlops import stack as rlops_stack  # noqa: E402
-from rlops.config import CanarySLO, load_config, s3_environment  # noqa: E402
+from rlops.config import CanarySLO, load_config  # noqa: E402
 from rlops.layout import (  # noqa: E402
     ADAPTER_CONFIG,
     AliasRoute,
@@ -137,37 +135,24 @@ def breach_to_last_bad(config, url: str, weight: float, concurrency: int) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=1200, help="throughput requests per side, all rounds")
-    parser.add_argument("--latency-requests", type=int, default=300, help="concurrency-1 requests per side")
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser = paired_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--weight", type=float, default=10.0)
     parser.add_argument("--window", type=float, default=20.0, help="SLO window (registry.canary.slo.window_s), s")
     parser.add_argument("--breach-only", action="store_true", help="only the SLO-rollback figure")
     args = parser.parse_args()
 
-    import ray
     from ray import serve
 
     root = Path(tempfile.mkdtemp(prefix="rlops-bench-canary-"))
-    config = load_config(environ={"RLOPS_DATA_DIR": str(root), "RLOPS_SERVER__PORT": str(free_port()),
-                                  "RLOPS_STORAGE__ENDPOINT_URL": f"http://127.0.0.1:{rlops_stack.free_s3_port()}",
-                                  "RLOPS_SERVING__MODEL_SOURCE": str(root / "no-weights-needed"),
-                                  "RLOPS_SERVING__DYNAMIC_LORA_LOADING_PATH": f"s3://rlops/bench-{uuid.uuid4().hex[:8]}",
-                                  "RLOPS_SERVING__REPLICA_CPUS": "0.5",
-                                  "RLOPS_SERVING__METRICS_PORT": str(free_port()),
-                                  "RLOPS_REGISTRY__MODELS": f"[{PLAIN}, {CANARY}, {BREACH}]"})
+    config = load_config(environ=bench_environ(root, RLOPS_SERVING__METRICS_PORT=str(free_port()),
+                                               RLOPS_REGISTRY__MODELS=f"[{PLAIN}, {CANARY}, {BREACH}]"))
     config.registry.canary.slo = CanarySLO(window_s=args.window, min_requests=20)
-    rlops_stack.up(config, timeout_s=300)
-    try:
+
+    def seed(config) -> None:
         seed_s3(config, args.weight)
         register_breach(config, args.weight)
-        os.environ.update(s3_environment(config))
-        ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
-                 _metrics_export_port=config.serving.metrics_port)
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+
+    with echo_serve(config, root, seed, timeout_s=300) as port:
         url, base = f"http://127.0.0.1:{port}", config.serving.base_model_id
         alias_app, _ = build_apps(config, engine_env={"ECHO_FAIL_MODELS": f"{base}:{version_folder(BREACH, 2)}"})
         serve.run(alias_app, name="alias", route_prefix="/")
@@ -183,13 +168,6 @@ def main() -> None:
                 "max_tokens": 1}).headers.get("x-rlops-model-version") for i in range(400)]
         asyncio.run(load(url, f"{base}:{BREACH}@v1", 20, 2))  # the baseline's adapter loaded before the clock runs
         breach = breach_to_last_bad(config, url, args.weight, args.concurrency)
-    finally:
-        try:
-            serve.shutdown()
-            ray.shutdown()
-        finally:
-            rlops_stack.down(config)
-            shutil.rmtree(root, ignore_errors=True)
 
     span = breach["last_bad"] - breach["first_bad"]
     print(f"SLO rollback: canary's first failed answer at {breach['first_bad']:.1f} s, watcher aborted at "

@@ -23,7 +23,9 @@ import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import httpx
 
@@ -71,6 +73,51 @@ def echo_args(config, engine_env: dict[str, str] | None = None) -> dict:
     return args
 
 
+def bench_environ(root: Path, **overrides: str) -> dict[str, str]:
+    """`RLOPS_*` settings of a scratch stack in `root` on free ports, serving the bench model from the echo engine;
+    tracing off unless `overrides` turn it on (bench/tracing.py measures its cost)."""
+    return {"RLOPS_DATA_DIR": str(root), "RLOPS_SERVER__PORT": str(free_port()),
+            "RLOPS_STORAGE__ENDPOINT_URL": f"http://127.0.0.1:{rlops_stack.free_s3_port()}",
+            "RLOPS_SERVING__MODEL_SOURCE": str(root / "no-weights-needed"),
+            "RLOPS_SERVING__DYNAMIC_LORA_LOADING_PATH": f"s3://rlops/bench-{uuid.uuid4().hex[:8]}",
+            "RLOPS_SERVING__REPLICA_CPUS": "0.5", "RLOPS_REGISTRY__MODELS": f"[{MODEL}]",
+            "RLOPS_SERVING__TRACES__SAMPLE_RATE": "0", **overrides}
+
+
+def paired_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The load options every paired-rounds bench takes."""
+    parser.add_argument("--requests", type=int, default=1200, help="throughput requests per side, all rounds")
+    parser.add_argument("--latency-requests", type=int, default=300, help="concurrency-1 requests per side")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--concurrency", type=int, default=8)
+    return parser
+
+
+@contextmanager
+def echo_serve(config, root: Path, seed: Callable[[Any], None] | None = None, timeout_s: float = 90) -> Iterator[int]:
+    """A scratch stack (MLflow + S3) seeded by `seed` (default: the bench model's folder and manifests) and a
+    local Ray Serve; yields its port. Everything is stopped and `root` removed on the way out."""
+    import ray
+    from ray import serve
+
+    rlops_stack.up(config, timeout_s=timeout_s)
+    try:
+        (seed or (lambda c: seed_s3(c, 0)))(config)
+        os.environ.update(s3_environment(config))  # the node's env, as `rlops serve` does: no secret in runtime_env
+        ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+                 _metrics_export_port=config.serving.metrics_port)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield port
+    finally:
+        try:
+            serve.shutdown()
+            ray.shutdown()
+        finally:
+            rlops_stack.down(config)
+            shutil.rmtree(root, ignore_errors=True)
+
+
 def build_apps(config, engine_env: dict[str, str] | None = None):
     """(alias app, stock app) on the echo engine."""
     from ray.serve.llm import build_openai_app
@@ -82,15 +129,16 @@ def build_apps(config, engine_env: dict[str, str] | None = None):
 
 
 async def load(url: str, model: str, requests: int, concurrency: int, *, users: bool = False,
-               headers: dict[str, str] | None = None) -> tuple[float, list[float], int]:
+               headers: dict[str, str] | None = None, messages: list | None = None) -> tuple[float, list[float], int]:
     """(requests/s, latencies in ms, non-200 count) for `requests` chat calls from `concurrency` clients;
-    `users`: each request names another OpenAI `user` (what a canary's sticky pick hashes)."""
+    `users`: each request names another OpenAI `user` (what a canary's sticky pick hashes); `messages`
+    replaces the short text prompt."""
     latencies: list[float] = []
     failures = 0
     queue: asyncio.Queue = asyncio.Queue()
     for n in range(requests):
         queue.put_nowait(n)
-    body = {"model": model, "messages": PROMPT, "max_tokens": 4}
+    body = {"model": model, "messages": messages or PROMPT, "max_tokens": 4}
 
     async def client(http: httpx.AsyncClient) -> None:
         nonlocal failures
@@ -133,31 +181,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=1200, help="throughput requests per ingress, all rounds")
-    parser.add_argument("--latency-requests", type=int, default=300, help="concurrency-1 requests per ingress")
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser = paired_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--models", type=int, default=3334, help="registered models in _routes/ (3 entries each)")
     args = parser.parse_args()
 
-    import ray
     from ray import serve
 
     root = Path(tempfile.mkdtemp(prefix="rlops-bench-ingress-"))
-    s3_port = rlops_stack.free_s3_port()
-    config = load_config(environ={"RLOPS_DATA_DIR": str(root), "RLOPS_SERVER__PORT": str(free_port()),
-                                  "RLOPS_STORAGE__ENDPOINT_URL": f"http://127.0.0.1:{s3_port}",
-                                  "RLOPS_SERVING__MODEL_SOURCE": str(root / "no-weights-needed"),
-                                  "RLOPS_SERVING__DYNAMIC_LORA_LOADING_PATH": f"s3://rlops/bench-{uuid.uuid4().hex[:8]}",
-                                  "RLOPS_SERVING__REPLICA_CPUS": "0.5", "RLOPS_REGISTRY__MODELS": f"[{MODEL}]"})
-    rlops_stack.up(config, timeout_s=90)
-    try:
-        seed_s3(config, args.models)
-        os.environ.update(s3_environment(config))  # the node's env, as `rlops serve` does: no secret in runtime_env
-        ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    config = load_config(environ=bench_environ(root))
+    with echo_serve(config, root, lambda c: seed_s3(c, args.models)) as port:
         alias_app, stock_app = build_apps(config)
         serve.run(alias_app, name="alias", route_prefix="/alias")
         serve.run(stock_app, name="stock", route_prefix="/stock")
@@ -177,13 +209,6 @@ def main() -> None:
                 started = time.perf_counter()
                 assert http.get(models_url).status_code == 200
                 models_ms.append((time.perf_counter() - started) * 1000)
-    finally:
-        try:
-            serve.shutdown()
-            ray.shutdown()
-        finally:
-            rlops_stack.down(config)
-            shutil.rmtree(root, ignore_errors=True)
 
     alias_rps, stock_rps = statistics.median(rounds["alias"]), statistics.median(rounds["stock"])
     ratio = statistics.median(a / b for a, b in zip(rounds["alias"], rounds["stock"]))
