@@ -481,7 +481,7 @@ def test_served_requests_become_traces_of_their_version_scored_by_the_task(serve
     as the task scores the same answer on the original maze."""
     import mlflow
     from rlops.task import load_task
-    from rlops.layout import TRACE_IMAGE_REF as IMAGE_REF_PREFIX, TRACE_IMAGES_DIR as IMAGES_DIR
+    from rlops.layout import TRACE_IMAGE_REF as IMAGE_REF_PREFIX, TRACE_IMAGES_DIR as IMAGES_DIR, version_model_id
     from serving.traces import client_hash
 
     maze = load_task(served.config.task.path, served.config.task.options)
@@ -494,11 +494,13 @@ def test_served_requests_become_traces_of_their_version_scored_by_the_task(serve
                                                 max_tokens=maze.answer_length, user=user)
         sent[answer.id] = (item, answer.choices[0].message.content)
     streamed = client.chat.completions.create(model=served.name(), messages=items[1].messages(), temperature=0,
-                                              max_tokens=maze.answer_length, user=user, stream=True)
+                                              max_tokens=maze.answer_length, user=user, stream=True,
+                                              stream_options={"include_usage": True})
     chunks = list(streamed)
     sent[chunks[0].id] = (items[1], "".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
 
-    model_id = mlflow.MlflowClient(tracking_uri=served.config.tracking_uri).get_model_version(served.model, "1").model_id
+    version = mlflow.MlflowClient(tracking_uri=served.config.tracking_uri).get_model_version(served.model, "1")
+    model_id = version_model_id(version.model_id, version.source)
     query = f"metadata.`mlflow.modelId` = '{model_id}' AND tags.`rlops.client` = '{client_hash('user:' + user)}'"
     deadline, found = time.monotonic() + 90, traces_of(served, query)
     while (len(found) < len(sent) or any(len(t.info.assessments) < 2 for t in found)) and time.monotonic() < deadline:
@@ -541,14 +543,14 @@ def test_a_frozen_mlflow_fails_no_request_counts_what_it_drops_and_recording_res
     from rlops.cli import main
     from rlops.stack import MLFLOW
 
-    mlflow_pid = processes.read_record(stack.config.data_path, MLFLOW).pid
+    mlflow_group = processes.read_record(stack.config.data_path, MLFLOW).pid  # its own session: pgid = pid
     before = trace_metrics(served)
-    os.kill(mlflow_pid, signal.SIGSTOP)
+    os.killpg(mlflow_group, signal.SIGSTOP)  # the server and its workers
     try:
         with ThreadPoolExecutor(4) as pool:
             codes = list(pool.map(lambda _: chat(served, API_KEY, served.name()).status_code, range(3 * TRACE_QUEUE)))
     finally:
-        os.kill(mlflow_pid, signal.SIGCONT)
+        os.killpg(mlflow_group, signal.SIGCONT)
     assert codes == [200] * len(codes)
     assert wait_until(lambda: trace_metrics(served).get("dropped", 0) - before.get("dropped", 0) >= TRACE_QUEUE, 40), \
         trace_metrics(served)
