@@ -203,6 +203,7 @@ class TracesConfig(_Section):
     retention_days: float = Field(30.0, gt=0, description="`rlops hooks serve` deletes traces older than this")
     queue_size: int = Field(1000, ge=1, description="traces waiting for MLflow per ingress replica; beyond it "
                             "requests are served untraced and counted as dropped")
+    queue_mib: float = Field(64.0, gt=0, description="the same bound in request + answer bytes (images count)")
     experiment: str = Field("rlops-serving", min_length=1, description="experiment of the base model's traces; a "
                             "version's traces go to its LoggedModel's experiment")
 

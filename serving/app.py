@@ -97,7 +97,7 @@ def trace_settings(config: Config) -> dict[str, Any]:
     """`serving.trace_writer.TraceWriterSettings`: where and how the ingress records its traces."""
     traces = config.serving.traces
     return {"sample_rate": traces.sample_rate, "content": traces.content, "queue_size": traces.queue_size,
-            "experiment": traces.experiment, "tracking_uri": config.tracking_uri, "task_path": config.task.path,
+            "queue_mib": traces.queue_mib, "experiment": traces.experiment, "tracking_uri": config.tracking_uri, "task_path": config.task.path,
             "task_options": dict(config.task.options)}
 
 

@@ -51,6 +51,7 @@ class TraceWriterSettings(BaseModel):
     sample_rate: float = Field(ge=0, le=1)
     content: bool
     queue_size: int = Field(ge=1)
+    queue_mib: float = Field(gt=0)
     experiment: str  # where traces of the bare base (and of versions without a LoggedModel) go
     tracking_uri: str
     task_path: str | None = None
@@ -108,6 +109,8 @@ class TraceWriter:
         self._count = count
         self._scorer = scorer
         self._queue: queue.Queue[ServedRequest] = queue.Queue(maxsize=settings.queue_size)
+        self._bytes_left = int(settings.queue_mib * 2**20)  # request + answer bytes the queue may still hold
+        self._bytes_lock = threading.Lock()
         self._stop = threading.Event()
         self._locations: dict[tuple[str | None, int | None], tuple[str | None, str, str]] = {}
         self._stored_images: set[tuple[str, str]] = set()
@@ -129,10 +132,21 @@ class TraceWriter:
         return sampled(self.settings.sample_rate, random.random())
 
     def offer(self, served: ServedRequest) -> None:
+        size = served.size
+        with self._bytes_lock:
+            if size > self._bytes_left:
+                self._count("dropped", 1)
+                return
+            self._bytes_left -= size
         try:
             self._queue.put_nowait(served)
         except queue.Full:
+            self._release(size)
             self._count("dropped", 1)
+
+    def _release(self, size: int) -> None:
+        with self._bytes_lock:
+            self._bytes_left += size
 
     # ------------------------------------------------------------------------------ the thread
 
@@ -142,6 +156,7 @@ class TraceWriter:
                 served = self._queue.get(timeout=0.5)
             except queue.Empty:
                 continue
+            self._release(served.size)
             backoff, deadline = 0.1, time.monotonic() + RETRY_FOR_S
             while not self._stop.is_set():
                 try:

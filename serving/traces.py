@@ -50,6 +50,13 @@ class ServedRequest:
     answer: bytes | list = b""  # the JSON body, or the SSE chunks of a stream
     stream: bool = False
 
+    @property
+    def size(self) -> int:
+        """Bytes it holds (what bounds the writer's queue in memory)."""
+        if isinstance(self.answer, bytes):
+            return len(self.request) + len(self.answer)
+        return len(self.request) + sum(len(chunk) for chunk in self.answer)
+
 
 @dataclass
 class TracePayload:

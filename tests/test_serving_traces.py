@@ -150,7 +150,7 @@ def test_a_dead_mlflow_never_blocks_the_offer_and_what_does_not_fit_is_counted()
     """Nothing listens on the port: the one trace being retried holds the thread, the queue fills, the rest
     is dropped and counted; offering stays a few microseconds."""
     counts: dict[str, int] = {}
-    settings_ = TraceWriterSettings(sample_rate=1.0, content=True, queue_size=8, experiment="never",
+    settings_ = TraceWriterSettings(sample_rate=1.0, content=True, queue_size=8, queue_mib=64, experiment="never",
                                     tracking_uri=f"http://127.0.0.1:{free_port()}")
     writer = TraceWriter(settings_, lambda outcome, n: counts.__setitem__(outcome, counts.get(outcome, 0) + n)).start()
     try:
@@ -165,3 +165,16 @@ def test_a_dead_mlflow_never_blocks_the_offer_and_what_does_not_fit_is_counted()
         assert per_offer_ms < 1.0, per_offer_ms
     finally:
         writer.stop()
+
+
+def test_the_queue_is_bounded_in_bytes_too():
+    """Images make requests large: a queue of few entries may still not hold them all."""
+    counts: dict[str, int] = {}
+    request = served({"model": "m", "messages": ITEM.messages()}, chat_answer("stop"))
+    settings_ = TraceWriterSettings(sample_rate=1.0, content=True, queue_size=100,
+                                    queue_mib=2.5 * request.size / 2**20, experiment="never",
+                                    tracking_uri=f"http://127.0.0.1:{free_port()}")
+    writer = TraceWriter(settings_, lambda outcome, n: counts.__setitem__(outcome, counts.get(outcome, 0) + n))
+    for _ in range(5):  # not started: nothing leaves the queue
+        writer.offer(request)
+    assert counts == {"dropped": 3}  # two fit in 2.5 requests' bytes
