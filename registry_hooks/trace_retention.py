@@ -11,30 +11,14 @@ import logging
 import time
 
 from mlflow import MlflowClient
-from mlflow.exceptions import MlflowException
 
 from rlops.config import Config
-from rlops.layout import TRACE_TAG_ENDPOINT, version_model_id
+from rlops.layout import TRACE_TAG_ENDPOINT
+from rlops.trace_locations import trace_experiments
 
 log = logging.getLogger(__name__)
 DELETE_BATCH = 100
 PAGE = 500
-
-
-def trace_experiments(client: MlflowClient, config: Config) -> set[str]:
-    """Experiment ids the ingress may have written traces to."""
-    ids = set()
-    base = client.get_experiment_by_name(config.serving.traces.experiment)
-    if base is not None:
-        ids.add(base.experiment_id)
-    for model in config.registry.models:
-        model_ids = {version_model_id(v.model_id, v.source) for v in client.search_model_versions(f"name = '{model}'")}
-        for model_id in model_ids - {None}:
-            try:
-                ids.add(client.get_logged_model(model_id).experiment_id)
-            except MlflowException:
-                continue  # a version whose LoggedModel was deleted
-    return ids
 
 
 def prune_traces(config: Config, now: float | None = None) -> dict[str, int]:
@@ -43,7 +27,7 @@ def prune_traces(config: Config, now: float | None = None) -> dict[str, int]:
     retention_days = config.serving.traces.retention_days
     cutoff_ms = int(((time.time() if now is None else now) - retention_days * 86400) * 1000)
     deleted: dict[str, int] = {}
-    for experiment_id in sorted(trace_experiments(client, config)):
+    for experiment_id in sorted(trace_experiments(client, config.registry.models, config.serving.traces.experiment)):
         victims, token = [], None
         while True:
             page = client.search_traces(locations=[experiment_id], filter_string=f"trace.timestamp_ms < {cutoff_ms}",

@@ -21,6 +21,7 @@ from serving.traces import trace_counts
 INGRESS_CLS = "serving.ingress:AliasIngress"
 SERVER_CLS = "serving.preload:PreloadingLLMServer"
 APP_NAME = "rlops"
+FEEDBACK_APP, FEEDBACK_ROUTE, FEEDBACK_BUILDER = "rlops-feedback", "/v1/feedback", "serving.feedback:build"
 S3_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 GiB = 1024**3
 
@@ -86,8 +87,7 @@ def ingress_settings(config: Config) -> dict[str, Any]:
         "max_n": serving.max_n,
         "max_request_tokens": serving.max_request_tokens,
         "api_keys_env": serving.api_keys_env,
-        # the replicas' working directory is Ray's, not ours
-        "keys_file": str(Path(serving.keys_file).expanduser().resolve()) if serving.keys_file else None,
+        "keys_file": feedback_settings(config)["keys_file"],  # absolute: the replicas' working directory is Ray's
         "ingress_replicas": serving.ingress_replicas,
         "traces": trace_settings(config),
     }
@@ -113,6 +113,16 @@ def trace_status(config: Config) -> dict[str, int] | str:
     except httpx.HTTPError as exc:
         return f"metrics at {url} did not answer ({type(exc).__name__})"
     return trace_counts(response.text)
+
+
+def feedback_settings(config: Config) -> dict[str, Any]:
+    """`serving.feedback.FeedbackSettings`: where the feedback endpoint finds traces, and the keys it accepts."""
+    serving = config.serving
+    return {"tracking_uri": config.tracking_uri, "models": list(config.registry.models),
+            "base_experiment": serving.traces.experiment, "default_alias": config.registry.default_alias,
+            "api_keys_env": serving.api_keys_env,
+            "keys_file": str(Path(serving.keys_file).expanduser().resolve()) if serving.keys_file else None,
+            "staleness_s": serving.routes_staleness_s}
 
 
 def check_keys_file(config: Config) -> int:
@@ -173,12 +183,16 @@ def serve_config_v2(config: Config) -> dict[str, Any]:
         "runtime_env": {"env_vars": env_vars},
         "args": app_args(config, "gpu"),
     }
+    applications = [application]
+    if config.serving.traces.sample_rate > 0:
+        applications.append({"name": FEEDBACK_APP, "route_prefix": FEEDBACK_ROUTE, "import_path": FEEDBACK_BUILDER,
+                             "args": {"settings": feedback_settings(config)}})
     secret_names = [*S3_SECRET_ENV, *([config.serving.api_keys_env] if config.serving.api_keys_env else []),
                     *(MLFLOW_AUTH_ENV if config.server.auth and config.serving.traces.sample_rate > 0 else ())]
     pod_env = [{"name": name, "valueFrom": {"secretKeyRef": {"name": config.serving.secrets_name, "key": name}}}
                for name in secret_names]
     return {
-        "serveConfigV2": {"http_options": {"host": "0.0.0.0", "port": 8000}, "applications": [application]},
+        "serveConfigV2": {"http_options": {"host": "0.0.0.0", "port": 8000}, "applications": applications},
         "podEnv": pod_env,
     }
 
@@ -211,6 +225,10 @@ def run(config: Config, environ: Mapping[str, str], *, blocking: bool = True,
     app = build_app(config)
     serve.start(http_options={"host": serving.host, "port": serving.port}, proxy_location=proxy_location)
     serve.run(app, name=APP_NAME, route_prefix="/")  # returns once the app's deployments are running
+    if serving.traces.sample_rate > 0:
+        from serving.feedback import build
+
+        serve.run(build({"settings": feedback_settings(config)}), name=FEEDBACK_APP, route_prefix=FEEDBACK_ROUTE)
     if on_ready is not None:
         on_ready()
     if blocking:
@@ -221,5 +239,7 @@ def run(config: Config, environ: Mapping[str, str], *, blocking: bool = True,
         try:
             wait_for_interrupt()
         finally:
-            if config.ray_address:  # the app outlives its driver on a cluster: its replicas would keep the CPUs
+            if config.ray_address:  # the apps outlive their driver on a cluster: their replicas would keep the CPUs
                 serve.delete(APP_NAME)
+                if serving.traces.sample_rate > 0:
+                    serve.delete(FEEDBACK_APP)

@@ -65,6 +65,7 @@ def test_failed_production_requests_become_the_prompts_of_the_next_run(test_conf
     config.training.local.ckpt_interval = config.training.local.eval_interval = 2
     config.training.local.eval_samples = 0
     config.task.options = {"answer_length": 8}
+    config.serving.traces.experiment = f"{config.tracking.experiment}-base"  # retention below prunes it whole
     task = config.load_task()
     model_id, version = registered_version(mlflow_client, config)
     items = task.eval_items(task.eval_sets()[0])[:6]

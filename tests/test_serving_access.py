@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import timeit
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -189,3 +190,21 @@ def test_any_keys_file_text_parses_or_is_refused_with_a_message(text):
         parse_keys_file(text, "keys.yaml")
     except KeysFileError as exc:
         assert str(exc).startswith("keys.yaml: ")
+
+
+def test_a_wrong_key_costs_the_same_however_much_of_the_real_key_it_shares():
+    """The check looks up sha256(key), never compares keys: a near miss (the real key but its last
+    character) takes as long as a key sharing nothing, within noise."""
+    real = "sk-" + "a" * 61
+    control = AccessControl(None, env_scopes({"KEYS": real}, "KEYS"), 1.0)
+    near, far = "Bearer " + real[:-1] + "b", "Bearer " + "z" * len(real)
+
+    def attempt(header: str) -> None:
+        try:
+            control.scope(header)
+        except AccessError:
+            pass
+
+    near_s = min(timeit.repeat(lambda: attempt(near), number=2000, repeat=7))
+    far_s = min(timeit.repeat(lambda: attempt(far), number=2000, repeat=7))
+    assert 0.7 < near_s / far_s < 1.4, (near_s, far_s)

@@ -533,6 +533,39 @@ def test_served_requests_become_traces_of_their_version_scored_by_the_task(serve
                                         served.config.serving.traces.experiment), 60)
 
 
+def test_a_client_scores_its_own_answer_and_the_trace_carries_it_as_human_feedback(served: ServedApp):
+    import mlflow
+
+    answer = served.openai().chat.completions.create(model=served.name(), messages=chat_messages(True), max_tokens=4)
+    url = f"{served.url}/v1/feedback"
+    body = {"id": answer.id, "thumbs": "down", "comment": "walked into a wall"}
+    deadline, r = time.monotonic() + 60, None
+    while time.monotonic() < deadline:  # the trace is written after the answer: 404 until then
+        r = httpx.post(url, json=body, headers=served.headers(), timeout=30)
+        if r.status_code != 404:
+            break
+        time.sleep(1)
+    assert r.status_code == 200, r.text
+    trace = mlflow.MlflowClient(tracking_uri=served.config.tracking_uri).get_trace(r.json()["trace_id"])
+    [given] = [a for a in trace.info.assessments if a.name == "user_feedback"]
+    assert given.value is False and given.rationale == "walked into a wall" and given.source.source_type == "HUMAN"
+    assert API_KEY not in given.source.source_id and len(given.source.source_id) == 16
+    cases = [({"id": answer.id, "score": 2}, 400), ({"id": answer.id, "score": 0.5, "thumbs": "up"}, 400),
+             ({"id": "x' OR trace.status = 'OK", "score": 1}, 400), ({"id": answer.id}, 400),
+             ({"id": "chatcmpl-never-answered", "score": 1}, 404)]
+    for case, status in cases:
+        r = httpx.post(url, json=case, headers=served.headers(), timeout=30)
+        assert r.status_code == status and assert_openai_error(r), (case, r.text)
+    assert httpx.post(url, json=body, timeout=30).status_code == 401
+    # a key that may not call what answered cannot see (or score) the answer: `team` may not call the base
+    base = served.openai().chat.completions.create(model=served.base, messages=chat_messages(False), max_tokens=2)
+    assert wait_until(lambda: traces_of(served, f"trace.client_request_id = '{base.id}'",
+                                        served.config.serving.traces.experiment), 60)
+    r = httpx.post(url, json={"id": base.id, "score": 1}, headers={"authorization": f"Bearer {TEAM_KEY}"}, timeout=30)
+    assert r.status_code == 404 and assert_openai_error(r)["code"] == "answer_not_found"
+    assert httpx.post(url, json={"id": base.id, "score": 1}, headers=served.headers(), timeout=30).status_code == 200
+
+
 def test_a_frozen_mlflow_fails_no_request_counts_what_it_drops_and_recording_resumes(served: ServedApp, stack,
                                                                                        tmp_path):
     import signal
@@ -560,6 +593,62 @@ def test_a_frozen_mlflow_fails_no_request_counts_what_it_drops_and_recording_res
         exclude_none=True))), "status"])
     dropped = re.search(r"traces at 100%: \d+ recorded \(\d+ scored\), (\d+) dropped \(queue full\)", status.output)
     assert dropped and int(dropped.group(1)) >= TRACE_QUEUE, status.output
+
+
+def png_bomb(side: int = 20000) -> str:
+    """A valid PNG of side x side grey pixels: ~0.4 MB compressed, 400 M pixels once decoded."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    packer, row = zlib.compressobj(9), b"\0" * (side + 1)
+    idat = b"".join(packer.compress(row) for _ in range(side)) + packer.flush()
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0))
+           + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def test_attack_cases_get_their_4xx_and_leak_nothing(served: ServedApp):
+    """Issue 33's attack cases on the real app: hostile names, a decompression bomb, too many images and
+    header injection each get their 4xx (never a version's answer), and no answer or log line holds a
+    folder, the bucket or a key."""
+    good, base, model = chat_messages(False), served.base, served.model
+    names = [f"{base}:{model}%2F..%2F{model}-v1", f"{base}:{model}%2e%2e", f"{base}:{model}\x00", f"{base}:{model}@v1\x00",
+             f"{base}:{model}\r\nx-rlops-model-version: 2", f"{base}:{model}/../{model}-v1", f"{base}:{model}@..",
+             f"{base}:{model}@v1/../v2", "é" * 60, f"{base}:" + "m" * 10_000, f"{base}:{model}@" + "a" * 5000]
+    leaks = (f"{model}-v", "s3://", "lora-serving", served.config.storage.bucket, API_KEY)
+    with httpx.Client(headers=served.headers(), timeout=60) as http:
+        for name in names:
+            r = http.post(f"{served.url}/v1/chat/completions", json={"model": name, "messages": good, "max_tokens": 1})
+            assert r.status_code in (400, 404), (name[:80], r.status_code, r.text[:200])
+            assert_openai_error(r)
+            assert not any(leak in r.text.replace(json.dumps(name)[1:-1], "") for leak in leaks), r.text[:300]
+            assert "x-rlops-model-version" not in r.headers
+        for path in (f"{base}:{model}%2F..%2F{model}-v1", f"{base}:{model}/../../_routes", "..%2F..%2Fetc%2Fpasswd"):
+            r = http.get(f"{served.url}/v1/models/{path}")
+            assert 400 <= r.status_code < 500 and not any(leak in r.text for leak in leaks[1:]), (path, r.text[:200])
+
+        started = time.perf_counter()
+        bomb = {"type": "image_url", "image_url": {"url": png_bomb()}}
+        r = http.post(f"{served.url}/v1/chat/completions", json={"model": served.name(), "max_tokens": 1, "messages": [
+            {"role": "user", "content": [bomb, {"type": "text", "text": TEXT_PROMPT}]}]})
+        assert r.status_code == 400 and assert_openai_error(r)["code"] == "image_too_large", r.text[:300]
+        assert "20000x20000" in r.json()["error"]["message"] and time.perf_counter() - started < 10
+
+        maze = {"type": "image_url", "image_url": {"url": data_url(maze_image())}}
+        r = http.post(f"{served.url}/v1/chat/completions", json={"model": served.name(), "max_tokens": 1, "messages": [
+            {"role": "user", "content": [maze, maze, maze, {"type": "text", "text": TEXT_PROMPT}]}]})
+        assert r.status_code == 400 and "image" in assert_openai_error(r)["message"], r.text[:300]
+
+        injected = "alice\r\nx-rlops-model-version: 99\r\n\r\n<script>"
+        r = http.post(f"{served.url}/v1/chat/completions", json={"model": served.name(), "messages": good,
+                                                                 "max_tokens": 1, "user": injected},
+                      headers={"x-rlops-session": "s" * 4000})
+        assert r.status_code == 200 and r.headers["x-rlops-model-version"] == "1" and "<script>" not in str(r.headers)
+    log = (served.config.data_path / "logs" / "serve.log").read_text(errors="replace")
+    assert API_KEY not in log and "\r\nx-rlops-model-version: 2" not in log
 
 
 @functools.cache
