@@ -237,9 +237,14 @@ def test_serve_config_round_trips_through_ray_validation(printed_config):
     from ray.serve.llm import LLMConfig
     from ray.serve.schema import ServeDeploySchema
 
+    from serving.feedback import FeedbackSettings
+
     serve_config = yaml.safe_load(_rayservice()["spec"]["serveConfigV2"])
     deploy = ServeDeploySchema.model_validate(serve_config)  # what the Ray dashboard checks on apply
-    assert [app.import_path for app in deploy.applications] == ["ray.serve.llm:build_openai_app"]
+    assert [(app.import_path, app.route_prefix) for app in deploy.applications] == [
+        ("ray.serve.llm:build_openai_app", "/"), ("serving.feedback:build", "/v1/feedback")]
+    feedback = FeedbackSettings.model_validate(serve_config["applications"][1]["args"]["settings"])  # what its replica checks
+    assert feedback.models == ["maze-grpo"] and feedback.api_keys_env == "RLOPS_API_KEYS"
     raw_args = serve_config["applications"][0]["args"]
     args = LLMServingArgs.model_validate(raw_args)  # what build_openai_app checks
     assert args.ingress_cls_config.ingress_cls.__name__ == "AliasIngress"

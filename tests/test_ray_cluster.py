@@ -16,10 +16,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
 from conftest import REPO, llm_replica_logs, ray_records, wait_preloaded, write_config
+from rlops.config import RAY_TOKEN_FILE
 from rlops.stack import RAY_HEAD, ray_temp_dir
 from tracker.checkpoints import TAG_SHA256
 from tracker.naming import eval_key
@@ -38,6 +40,16 @@ def test_status_shows_every_node_of_the_cluster(ray_cluster):
     head = next(line for line in out.stdout.splitlines() if line.strip().startswith(RAY_HEAD))
     assert "healthy" in head and "2/2 nodes alive" in head and ray_cluster.config.ray_dashboard_url in head
     assert any(line.strip().startswith("ray-worker-1") and "healthy" in line for line in out.stdout.splitlines())
+
+
+def test_the_dashboard_answers_only_with_the_clusters_token(ray_cluster):
+    """Token auth on the local cluster (`rlops up`): the dashboard's job API refuses a client without the
+    data dir's token, or with another one (issue 33's attack suite)."""
+    url = f"{ray_cluster.config.ray_dashboard_url}/api/jobs/"
+    token = (ray_cluster.config.data_path / RAY_TOKEN_FILE).read_text().strip()
+    assert httpx.get(url, timeout=30).status_code == 401
+    assert httpx.get(url, headers={"authorization": "Bearer " + "0" * len(token)}, timeout=30).status_code in (401, 403)
+    assert httpx.get(url, headers={"authorization": f"Bearer {token}"}, timeout=30).status_code == 200
 
 
 def _tiny_local_env(name: str) -> dict[str, str]:
