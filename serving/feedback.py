@@ -97,7 +97,9 @@ async def _route_prefix_itself(request: Request, call_next):
     return await call_next(request)
 
 
-@serve.deployment(name="FeedbackIngress", num_replicas=1, ray_actor_options={"num_cpus": 0.1})
+# No CPU reserved: a few requests a minute, and a cluster sized for its LLM and ingress replicas has no
+# spare CPU to reserve (`serve.run` would wait for one forever).
+@serve.deployment(name="FeedbackIngress", num_replicas=1, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class FeedbackIngress:
     def __init__(self, settings: Mapping[str, Any]):
