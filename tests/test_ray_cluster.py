@@ -262,8 +262,10 @@ def test_two_ingress_and_two_llm_replicas_flip_production_together(ray_cluster, 
         processes.stop(config.data_path, "serve-cluster", timeout_s=90)
 
     assert len(llm_replica_logs(ray_temp_dir(config))) == 2  # serving.min/max_replicas: 2 engines
-    cores = {line.rsplit("core ids=", 1)[1].strip() for path in ray_temp_dir(config).glob("session_*/logs/worker-*.out")
-             for line in path.read_text(errors="replace").splitlines() if "core ids=" in line}
+    # vLLM logs its binding from the engine process: a worker's .out or .err, or the replica's Serve log
+    cores = {ids for path in ray_temp_dir(config).glob("session_*/logs/**/*")
+             if path.is_file() and path.suffix in (".out", ".err", ".log")
+             for ids in re.findall(r"core ids=\[([0-9, ]*)\]", path.read_text(errors="replace"))}
     assert len(cores) == 2, cores  # each node's engine on its own core (rlops.stack.vllm_cpu_binding)
     statuses = collections.Counter(status for _, status, _, _ in answers)
     assert statuses and all(status < 500 for status in statuses), statuses
