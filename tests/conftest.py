@@ -38,6 +38,18 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped under CI=true (missing infrastructure must fail, not skip): {reason}"
 
 
+
+@pytest.fixture(autouse=True)
+def _environ_as_before():
+    """Each test leaves os.environ as it found it. Code run in-process sets variables that every later
+    subprocess would inherit: importing TRL sets VLLM_LOGGING_LEVEL=ERROR (the cluster's vLLM engines then
+    logged no INFO line in a full run), MLflow's fluent API MLFLOW_EXPERIMENT_ID, the trace writer its
+    retry settings. Session fixtures are set up before this snapshot, so what they set stays."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
 def pytest_addoption(parser):
     parser.addoption("--shuffle-seed", type=int, default=None,
                      help="Run the tests in an order shuffled by this seed (`make test-shuffled`): order must not matter.")
