@@ -1019,7 +1019,7 @@ def test_watcher_aborts_a_failing_canary_within_the_window(served: ServedApp, st
     served.move_alias("production", 1)
     v3 = register_adapter(served.config, served.adapters[2], step=3)
     config = served.config.model_copy(deep=True)
-    config.registry.canary.slo = CanarySLO(window_s=20, min_requests=10, max_error_rate_increase=0.2,
+    config.registry.canary.slo = CanarySLO(window_s=20, min_requests=10, max_error_rate_increase=0.2, max_p95_ratio=1000,
                                            metrics_url=f"http://127.0.0.1:{served.config.serving.metrics_port}/metrics")
     with served.lock:
         operations.canary(config, served.model, version=v3, weight=50, trigger="test", actor="tester", reason="try v3")
