@@ -38,7 +38,6 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped under CI=true (missing infrastructure must fail, not skip): {reason}"
 
 
-
 @pytest.fixture(autouse=True)
 def _environ_as_before():
     """Each test leaves os.environ as it found it. Code run in-process sets variables that every later
@@ -49,6 +48,7 @@ def _environ_as_before():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
 
 def pytest_addoption(parser):
     parser.addoption("--shuffle-seed", type=int, default=None,
