@@ -7,6 +7,7 @@ job API or session dir."""
 from __future__ import annotations
 
 import collections
+import json
 import re
 import subprocess
 import sys
@@ -168,8 +169,12 @@ def test_skyrl_dry_run_as_a_ray_job_stops_killed_and_resumes(ray_cluster, mlflow
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert str(client.get_job_status(second_id)) == "SUCCEEDED"
     assert f"/runs/{run.info.run_id}" in second.stdout and "registered version: none (a dry run" in second.stdout
+    assert "colocate_all=true" in second.stdout.split("checked on GPU only: ", 1)[1].splitlines()[0]
     resumed = mlflow_client.get_run(run.info.run_id)
     assert resumed.info.status == "FINISHED" and resumed.data.tags["rlops.resumes"] == "1"
+    assert resumed.data.tags["rlops.trainer"] == "skyrl" and resumed.data.tags["rlops.task"] == "tasks.maze:MazeTask"
+    assert resumed.data.params["generator/max_turns"] == "3" and resumed.data.params["trainer/strategy"] == "fsdp"
+    assert len(mlflow_client.search_runs([run.info.experiment_id])) == 1  # the resubmission continued, no new run
     for key in ("policy/policy_loss", "reward/avg_raw_reward"):  # every step once, across the stop
         assert sorted(m.step for m in mlflow_client.get_metric_history(run.info.run_id, key)) == [1, 2, 3], key
     # a step's own total time is measured after its checkpoint: the stopped step's may be missing, never twice
@@ -184,7 +189,8 @@ def test_skyrl_dry_run_as_a_ray_job_stops_killed_and_resumes(ray_cluster, mlflow
         assert {k for k in logged.tags if k.startswith(TAG_SHA256)} == {
             f"{TAG_SHA256}adapter_config.json", f"{TAG_SHA256}adapter_model.safetensors"}, step
     assert score in {m.key for m in models[steps].metrics}
-    assert (run_dir / "export" / f"global_step_{steps}" / "policy" / "adapter_config.json").is_file()
+    export = run_dir / "export" / f"global_step_{steps}" / "policy"
+    assert json.loads((export / "adapter_config.json").read_text())["r"] == 8
     assert mlflow_client.search_model_versions(f"name = '{model}'") == []
     _no_secret_in_ray(ray_cluster, client, streamed + second.stdout + second.stderr)
 
