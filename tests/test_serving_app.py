@@ -823,7 +823,7 @@ def test_alias_move_reaches_new_version_within_staleness_while_inflight_finishes
 
 
 def test_load_while_alias_flips_has_no_5xx_and_only_published_versions(served: ServedApp):
-    clients, flips = 6, 10
+    clients, flips = 6, 6
     results: list[tuple[float, float, int, str | None]] = []
     done = threading.Event()
 
@@ -915,13 +915,13 @@ def test_a_hot_adapter_that_failed_to_preload_is_loaded_once_it_can_be(served: S
 
 
 def test_canary_splits_by_weight_sticky_per_client_and_flips_without_5xx(served: ServedApp):
-    """production = v1 with a 20% canary of v2: 2000 distinct `user`s split within 3 points of 20%, each
-    exactly as the pure hash says; repeated users, sessions and one API key never see two versions; `@v1`
+    """production = v1 with a 20% canary of v2: 400 distinct `user`s, each answered exactly as the pure hash
+    says (test_canary_units checks the hash's split on 20k keys); repeated users, sessions and one API key never see two versions; `@v1`
     stays v1; reweights and aborts under load give no 5xx."""
     from registry_hooks import operations
     from rlops.layout import canary_bucket
 
-    weight, users = 20.0, 2000
+    weight, users = 20.0, 400
 
     def canary(**kwargs) -> None:
         with served.lock:
@@ -946,7 +946,7 @@ def test_canary_splits_by_weight_sticky_per_client_and_flips_without_5xx(served:
         # of one adapter: the second fails "already loaded", a 500), which is not what this test measures.
         assert [ask(http, served.name(f"@v{v}"))[0] for v in (1, 2)] == [200, 200]
         calls = [(served.name(), f"user-{i}") for i in range(users)]
-        calls += [(served.name(), f"user-{i}") for i in range(200)] + [(served.name("@v1"), f"user-{i}") for i in range(200)]
+        calls += [(served.name(), f"user-{i}") for i in range(100)] + [(served.name("@v1"), f"user-{i}") for i in range(100)]
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda c: ask(http, *c), calls))
         assert {status for status, _ in answers} == {200}
@@ -958,7 +958,7 @@ def test_canary_splits_by_weight_sticky_per_client_and_flips_without_5xx(served:
         expected = {u: "2" if canary_bucket(served.model, "production", 2, "user:" + u) < weight else "1" for u in by_user}
         assert {u: seen.pop() for u, seen in by_user.items()} == expected
         share = sum(v == "2" for v in expected.values()) / users * 100
-        assert abs(share - weight) <= 3, share
+        assert abs(share - weight) <= 10, share  # 5 sd at 400 users: the endpoint splits at all
         assert {v for (model, _), (_, v) in zip(calls, answers) if model == served.name("@v1")} == {"1"}
         sessions = [ask(http, served.name(), headers={"x-rlops-session": f"s-{i % 20}"}) for i in range(60)]
         assert all(len({v for j, (_, v) in enumerate(sessions) if j % 20 == i}) == 1 for i in range(20))
