@@ -4,7 +4,8 @@ Playwright (`pip install 'rlops[docs]'`; Playwright's own browser download is no
 Shows the latest runs of the configured experiment side by side (compare view), their solve-rate curves
 (chart view filtered to `eval/.../avg_score`), the latest run's rollout table with maze images
 (`eval/samples/step_N.json`), the runs filtered by their eval set (MLflow's dataset filter), and the page
-of the latest served version with its promotion tags. Usage: python scripts/screenshots.py [--runs 3]
+of the latest served version with its promotion tags, and the traces of the requests it served (its
+LoggedModel's Traces tab: task scores and client feedback). Usage: python scripts/screenshots.py [--runs 3]
 """
 from __future__ import annotations
 
@@ -59,10 +60,10 @@ def eval_dataset_filter(runs) -> list[dict] | None:
     return None
 
 
-def served_version(client: MlflowClient, name: str) -> str | None:
+def served_version(client: MlflowClient, name: str):
     """The newest version of `name` that promotion tagged as served."""
     versions = [v for v in client.search_model_versions(f"name = '{name}'") if v.tags.get(SERVED_AS_TAG)]
-    return max(versions, key=lambda v: int(v.version)).version if versions else None
+    return max(versions, key=lambda v: int(v.version)) if versions else None
 
 
 def main() -> None:
@@ -100,10 +101,15 @@ def main() -> None:
         shots.append(Shot("mlflow-dataset-filter.png", f"{base}/#/experiments/{exp}/runs?datasetsFilter="
                                                        f"{ui_param(datasets)}"))
     version = served_version(client, config.registered_model)
+    traced = None
     if version:
         shots.append(Shot("mlflow-version-promotion.png",
-                          f"{base}/#/models/{quote(config.registered_model)}/versions/{version}",
+                          f"{base}/#/models/{quote(config.registered_model)}/versions/{version.version}",
                           scroll_to=HISTORY_TAG))
+        model_id = version.model_id or version.source.removeprefix("models:/")  # registered from a LoggedModel
+        traced = client.search_traces(locations=[exp], model_id=model_id, max_results=1, include_spans=False)
+    if traced:
+        shots.append(Shot("mlflow-traces.png", f"{base}/#/experiments/{exp}/models/{model_id}/traces"))
     args.out.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=browser_path, args=CHROMIUM_ARGS)
@@ -115,6 +121,10 @@ def main() -> None:
             if close_assistant.count():
                 close_assistant.first.click()
                 page.wait_for_timeout(500)
+            got_it = page.get_by_role("button", name="Got it")  # a feature tour's popover (the traces tab)
+            if got_it.count():
+                got_it.first.click()
+                page.wait_for_timeout(500)
             if shot.chart_search:
                 page.get_by_placeholder("Search metric charts").fill(shot.chart_search)
                 page.wait_for_timeout(5000)
@@ -124,11 +134,11 @@ def main() -> None:
             page.screenshot(path=str(args.out / shot.file))
         browser.close()
     missing = {"mlflow-rollouts.png": samples, "mlflow-dataset-filter.png": datasets,
-               "mlflow-version-promotion.png": version}
+               "mlflow-version-promotion.png": version, "mlflow-traces.png": traced}
     print(f"wrote {', '.join(str(args.out / shot.file) for shot in shots)}")
     for name, found in missing.items():
         if not found:
-            print(f"not taken: {name} (no sample table / eval dataset input / served version yet)")
+            print(f"not taken: {name} (no sample table / eval dataset input / served version / traced request yet)")
 
 
 if __name__ == "__main__":
