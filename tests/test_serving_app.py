@@ -916,8 +916,8 @@ def test_a_hot_adapter_that_failed_to_preload_is_loaded_once_it_can_be(served: S
 
 def test_canary_splits_by_weight_sticky_per_client_and_flips_without_5xx(served: ServedApp):
     """production = v1 with a 20% canary of v2: 400 distinct `user`s, each answered exactly as the pure hash
-    says (test_canary_units checks the hash's split on 20k keys); repeated users, sessions and one API key never see two versions; `@v1`
-    stays v1; reweights and aborts under load give no 5xx."""
+    says (test_canary_units checks the hash's split on 20k keys); repeated users, sessions and one API key
+    never see two versions; `@v1` stays v1; reweights and aborts under load give no 5xx."""
     from registry_hooks import operations
     from rlops.layout import canary_bucket
 
