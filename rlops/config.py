@@ -92,6 +92,12 @@ class TrackingConfig(_Section):
                                     "and two uploads: every step would compete with training on a small machine)")
     system_metrics: bool = Field(True, description="MLflow system metrics (CPU, memory, disk, network; GPU if present)")
     system_metrics_interval_s: float = Field(10.0, gt=0, description="sampling interval of the system metrics")
+    # issue 32: runs on machines with no route to the server
+    mode: Literal["online", "offline"] = Field(
+        "online", description="offline: the whole run stays in its run dir (no server needed) until "
+        "`rlops runs sync` replays it into MLflow")
+    offline_fallback: bool = Field(False, description="online runs go offline when the server does not answer "
+                                   "at start (said in the log and the run's tags once synced), instead of failing")
 
     @model_validator(mode="before")
     @classmethod

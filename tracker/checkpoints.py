@@ -2,7 +2,9 @@
 (which also runs the optional registration after each linked eval, so it follows the uploads).
 
 A job is a JSON file in `<state>/jobs/` (its snapshot beside it), so a restart finishes what a crash
-left: a checkpoint whose LoggedModel was created keeps its `model_id` and is not created twice.
+left: a checkpoint whose LoggedModel was created keeps its `model_id` and is not created twice (one
+created by a process killed before it could note the id is found again by its step and checksums).
+An offline session starts no worker: its jobs wait in the run dir, sample tables among them, for the sync.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 from rlops.layout import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TAG_BASE_MODEL, TAG_BASE_MODEL_SHA256, TAG_LORA_RANK, TAG_SHA256,
                           TAG_STEP, TAG_TRAINER)
 from tracker.lineage import checkpoint_params
+from tracker.samples import IMAGE_COLUMN, upload_samples
 from tracker.sender import wait_for_worker
 
 log = logging.getLogger(__name__)
@@ -66,7 +69,7 @@ class ArtifactUploader:
 
     def __init__(self, client: MlflowClient, run_id: str, experiment_id: str, state_dir: Path, *,
                  model_tags: dict[str, str], on_checkpoint: Callable[[int, str], None],
-                 on_register: Callable[[str], None], max_backoff_s: float):
+                 on_register: Callable[[str], None], max_backoff_s: float, start: bool = True):
         self._client = client
         self._run_id = run_id
         self._experiment_id = experiment_id
@@ -83,7 +86,9 @@ class ArtifactUploader:
         self._stopping = False
         self.last_error: str | None = None
         self._thread = threading.Thread(target=self._run, name="rlops-tracker-uploader", daemon=True)
-        self._thread.start()
+        self._started = start
+        if start:
+            self._thread.start()
 
     # ---- called on the training thread: only local file work
     def add_checkpoint(self, adapter_dir: Path, step: int) -> None:
@@ -99,6 +104,24 @@ class ArtifactUploader:
             self._next += 1
         columns = {key: [row[key] for row in rows] for key in rows[0]} if rows else {}
         self._enqueue(job, {"kind": "table", "artifact_file": artifact_file, "data": columns})
+
+    def add_samples(self, kind: str, step: int, columns: dict[str, list]) -> None:
+        """Keep a sample table for the sync (an offline run's samples): its images as PNG files beside it."""
+        with self._cond:
+            job = self._dir / f"{self._next:06d}-samples.json"
+            self._next += 1
+        images = columns.get(IMAGE_COLUMN)
+        folder = job.with_suffix("")
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for i, image in enumerate(images or []):
+            image.save(tmp / f"{i:04d}.png", format="PNG")
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+        data = {key: value for key, value in columns.items() if key != IMAGE_COLUMN}
+        self._enqueue(job, {"kind": "samples", "sample_kind": kind, "step": step, "data": _plain(data),
+                            "images": len(images) if images is not None else None})
 
     def add_registration(self, data_source: str) -> None:
         """Queue a best-checkpoint registration behind the uploads queued so far."""
@@ -119,6 +142,8 @@ class ArtifactUploader:
 
     # ---- lifecycle
     def flush(self, timeout_s: float) -> bool:
+        if not self._started:
+            return True  # offline: the jobs are files in the run dir, which is where they go
         with self._cond:
             return wait_for_worker(self._cond, lambda: not (self._queue or self._busy), self._thread, timeout_s)
 
@@ -128,7 +153,8 @@ class ArtifactUploader:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(timeout=timeout_s)
+        if self._started:
+            self._thread.join(timeout=timeout_s)
         return not self._thread.is_alive()
 
     @property
@@ -169,6 +195,8 @@ class ArtifactUploader:
             self._upload_checkpoint(job, spec)
         elif spec["kind"] == "register":
             self._on_register(spec["data_source"])
+        elif spec["kind"] == "samples":
+            self._upload_samples(job, spec)
         else:
             self._upload_table(spec)
         job.unlink()
@@ -179,11 +207,14 @@ class ArtifactUploader:
         if spec["model_id"] is None:
             sums = {name: sha256_of(files_dir / name) for name in ADAPTER_FILES}
             tags = {**self.model_tags, TAG_STEP: str(step), **{TAG_SHA256 + n: s for n, s in sums.items()}}
-            model = self._client.create_logged_model(
-                experiment_id=self._experiment_id, name=f"lora-step-{step}", source_run_id=self._run_id,
-                tags=tags, params=checkpoint_params(files_dir / ADAPTER_CONFIG, self.model_tags),
-                model_type=MODEL_TYPE)
-            spec["model_id"] = model.model_id
+            found = self._created_before(tags)
+            if found is not None:  # its output may have been logged too: look before logging it
+                spec["model_id"], spec["output_sent"] = found, True
+            else:
+                spec["model_id"] = self._client.create_logged_model(
+                    experiment_id=self._experiment_id, name=f"lora-step-{step}", source_run_id=self._run_id,
+                    tags=tags, params=checkpoint_params(files_dir / ADAPTER_CONFIG, self.model_tags),
+                    model_type=MODEL_TYPE).model_id
             _write_json(job, spec)  # from here on a retry reuses this LoggedModel
         model_id = spec["model_id"]
         self._client.log_model_artifacts(model_id, str(files_dir))
@@ -195,6 +226,27 @@ class ArtifactUploader:
             self._client.log_outputs(self._run_id, [LoggedModelOutput(model_id, step)])
         self._on_checkpoint(step, model_id)
 
+    def _created_before(self, tags: dict[str, str]) -> str | None:
+        """The id of this run's LoggedModel of the same step and checksums, if a process that was killed
+        before it noted the id created it (all statuses: it may not be finalized)."""
+        token = None
+        while True:
+            page = self._client.search_logged_models(experiment_ids=[self._experiment_id], max_results=100,
+                                                     filter_string=f"source_run_id = '{self._run_id}'", page_token=token)
+            for model in page:
+                if model.model_type == MODEL_TYPE and all(model.tags.get(k) == v for k, v in tags.items()):
+                    return model.model_id
+            token = page.token
+            if not token:
+                return None
+
+    def _upload_samples(self, job: Path, spec: dict) -> None:
+        columns = dict(spec["data"])
+        if spec["images"] is not None:
+            folder = job.with_suffix("")
+            columns[IMAGE_COLUMN] = [_load_png(folder / f"{i:04d}.png") for i in range(spec["images"])]
+        upload_samples(self._client, self._run_id, spec["sample_kind"], int(spec["step"]), columns)
+
     def _has_output(self, model_id: str) -> bool:
         outputs = self._client.get_run(self._run_id).outputs
         return any(o.model_id == model_id for o in (outputs.model_outputs if outputs else []) or [])
@@ -205,6 +257,19 @@ class ArtifactUploader:
         if any(f.path.endswith(name) for f in self._client.list_artifacts(self._run_id, folder or None)):
             return  # landed before a crash; log_table would append the rows a second time
         self._client.log_table(self._run_id, spec["data"], artifact_file)
+
+
+def _load_png(path: Path):
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.load()
+        return image
+
+
+def _plain(data: Any) -> Any:
+    """Sample columns as JSON (numpy scalars become numbers, anything else unknown its text)."""
+    return json.loads(json.dumps(data, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
 
 
 def _write_json(path: Path, data: dict) -> None:

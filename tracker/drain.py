@@ -1,4 +1,5 @@
-"""`rlops runs flush`: land what a crashed or stopped run left in its run dir, and say what landed."""
+"""`rlops runs flush` and `rlops runs sync`: land what a crashed, stopped or offline run left in its run dir
+(or a bundle of it), and say what landed."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,13 +9,16 @@ from mlflow.exceptions import MlflowException
 
 from rlops.config import Config, mask_uri
 from tracker import state
+from tracker.bundle import unpack_bundle
 from tracker.lock import RunDirLock
 from tracker.session import RunSession
 
 
 @dataclass(frozen=True)
 class FlushReport:
+    run_dir: Path
     run_id: str
+    offline_id: str | None  # set for a run that started offline
     points_landed: int
     checkpoints_landed: int
     registered: str | None  # "<model> v<N>" when a pending registration completed
@@ -37,8 +41,18 @@ def flush_run_dir(config: Config, run_dir: Path, timeout_s: float | None = None)
         end = state.intended_end(run_dir)
         left = session.drain(config.tracking.flush_timeout_s if timeout_s is None else timeout_s)
         registered = session.registered
-        return FlushReport(session.run_id, session.sent_points, session.landed_checkpoints,
+        return FlushReport(run_dir, session.run_id, (state.stored_run(run_dir) or {}).get("offline_id"),
+                           session.sent_points, session.landed_checkpoints,
                            f"{registered.name} v{registered.version}" if registered else None,
                            end["status"] if end and state.intended_end(run_dir) is None else None, left)
     finally:
         lock.release()
+
+
+def sync_runs(config: Config, sources: list[Path], timeout_s: float | None = None) -> list[FlushReport]:
+    """Replay runs into MLflow: each source is a run dir or a bundle (`tracker.bundle`), checked whole and
+    unpacked under the data dir first. An offline run becomes the server run that carries its offline id
+    (made on the first sync), so syncing again, or after a sync was killed, gives the same one run."""
+    run_dirs = [unpack_bundle(source, config.data_path) if Path(source).is_file() else Path(source)
+                for source in sources]  # every bundle is checked before anything is logged
+    return [flush_run_dir(config, run_dir, timeout_s) for run_dir in run_dirs]

@@ -12,6 +12,7 @@ from rlops.config import MASK, mask_value
 
 EVAL_PREFIX = "eval"
 MAX_PARAM_VALUE = 6000  # MLflow truncates longer param values; we cut first so a resume compares equal
+TAG_PARAM_CHANGED = "rlops.param_changed."  # + key: a param whose value changed on a resume
 _ILLEGAL_KEY_CHARS = re.compile(r"[^\w./\- :]")
 
 
@@ -88,6 +89,11 @@ def redacted_params(params: Mapping[str, Any]) -> dict[str, str]:
         text = "None" if masked is None else str(masked)
         out[key] = text[:MAX_PARAM_VALUE]
     return out
+
+
+def param_change_tags(changed: Mapping[str, str]) -> dict[str, str]:
+    """A param changed since the run first logged it, as the tag that records the new value."""
+    return {TAG_PARAM_CHANGED + key: value for key, value in changed.items()}
 
 
 def split_param_changes(existing: Mapping[str, str], new: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:

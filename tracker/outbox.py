@@ -6,7 +6,8 @@ to the sender thread, which fsyncs before it sends. `barrier()` writes the queue
 thread: the session calls it before a checkpoint or an eval is declared, so a trainer killed -9 after
 that loses only points of steps after its last checkpoint, which the resumed trainer logs again.
 `resumed_after_step` is the last step an earlier session of this run spooled: a resumed trainer replays
-the steps after its checkpoint, and those already logged are dropped here.
+the steps after its checkpoint, and those already logged are dropped here. Offline (`send=False`) the
+spool is the destination: nothing is sent, and a flush means written and fsynced.
 """
 from __future__ import annotations
 
@@ -26,13 +27,14 @@ WRITE_INTERVAL_S = 0.01  # how long handed-over points may wait in memory before
 
 class MetricOutbox:
     def __init__(self, state_dir: Path, rest: MlflowRest, run_id: str, *, batch_size: int, max_backoff_s: float,
-                 on_dead_letters: Callable[[int], None]):
+                 on_dead_letters: Callable[[int], None], send: bool = True):
         self._spool = MetricSpool(state_dir)
         self.resumed_after_step = self._spool.previous_last_step
         self.replayed_points = 0
+        self._send = send
         self._sender = MetricSender(self._spool, rest, run_id, batch_size=batch_size, max_backoff_s=max_backoff_s,
-                                    on_dead_letters=on_dead_letters)
-        for chunk in self._spool.unacknowledged():
+                                    on_dead_letters=on_dead_letters, start=send)
+        for chunk in self._spool.unacknowledged() if send else ():
             self._sender.submit(chunk)
         # (step, timestamp_ms, metrics) from the training thread, or encoded bodies (evals and links), in order;
         # deque.append/popleft are atomic, so the training thread takes no lock
@@ -73,8 +75,15 @@ class MetricOutbox:
         self._write_queued()
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait until everything put so far is acknowledged; False if the bound ran out."""
+        """Wait until everything put so far is acknowledged (offline: written and fsynced); False if the
+        bound ran out (offline: the disk is full)."""
         self._write_queued()
+        if not self._send:
+            try:
+                self._spool.sync()
+            except OSError:
+                return False
+            return True
         return self._sender.flush(timeout_s)
 
     @property
@@ -118,5 +127,7 @@ class MetricOutbox:
                     step, now, metrics = item
                     bodies += [encode(metric_key(k), as_float(k, v), now, step) for k, v in metrics.items()]
             if bodies:
-                self._sender.submit(self._spool.append(bodies))
+                chunk = self._spool.append(bodies)
+                if self._send:
+                    self._sender.submit(chunk)
             return bool(bodies)

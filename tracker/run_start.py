@@ -10,21 +10,22 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from mlflow import MlflowClient
-from mlflow.entities import Param, RunTag
+from mlflow.entities import Param, RunTag, ViewType
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
+from mlflow.utils.credentials import get_default_host_creds
+from mlflow.utils.rest_utils import http_request
 
 from rlops.config import Config, mask_uri, mask_value
 from rlops.layout import TAG_BASE_MODEL, TAG_LORA_RANK
-from tracker import state
+from tracker import offline, state
 from tracker.checkpoints import MODEL_TAG_KEYS
 from tracker.heartbeat import TAG_HEARTBEAT, beat
-from tracker.inputs import DatasetRef, log_datasets, store_datasets
+from tracker.inputs import DatasetRef, log_datasets, store_datasets, stored_datasets
 from tracker.lifecycle import FINISHED, MAX_TAG_VALUE
-from tracker.naming import redacted_params, split_param_changes
+from tracker.naming import TAG_PARAM_CHANGED, param_change_tags, redacted_params, split_param_changes
 from tracker.rest import MAX_TAGS_PER_BATCH
 
-TAG_PARAM_CHANGED = "rlops.param_changed."
 TAG_RESUMES = "rlops.resumes"
 TAG_HOST = "rlops.host"
 TAG_GIT_COMMIT = "rlops.git_commit"
@@ -41,6 +42,7 @@ class OpenedRun:
     experiment_id: str
     model_tags: dict[str, str]  # the run's base model, rank and trainer, for its checkpoints
     archived: Path | None  # where the run dir's previous (finished) run was moved, if any
+    offline: bool = False  # the run lives in the run dir alone (client and experiment_id are None)
 
 
 def open_run(config: Config, run_dir: Path, params: Mapping[str, Any], tags: Mapping[str, str],
@@ -48,11 +50,15 @@ def open_run(config: Config, run_dir: Path, params: Mapping[str, Any], tags: Map
              datasets: Sequence[DatasetRef] = ()) -> OpenedRun:
     """Continue the run stored in `run_dir`, or create one (see `RunSession.start` for `resume`). Before a
     new run replaces a stored one, `drain_stored()` lands what that one left ('' = all of it). `datasets`
-    are logged as the run's inputs and kept in its state (evals link to them)."""
-    client = client_for(config)
+    are logged as the run's inputs and kept in its state (evals link to them). Offline (`tracking.mode`, or
+    `tracking.offline_fallback` with no answer from the server) the run opens in the run dir alone."""
     run_tags = default_tags(config) | {str(k): str(mask_value(str(k), v)) for k, v in tags.items()}
-    run_id, archived = state.stored_run_id(run_dir), None
+    if config.tracking.mode == "offline" or (config.tracking.offline_fallback and not server_answers(config)):
+        return open_offline_run(config, run_dir, redacted_params(params), run_tags, run_name, resume, datasets)
+    client = client_for(config)
+    archived = None
     try:
+        run_id = bind_stored_run(client, run_dir)
         if run_id and resume is not True and (resume is False or finished(client, run_dir, run_id)):
             left = drain_stored()
             if left:
@@ -63,6 +69,8 @@ def open_run(config: Config, run_dir: Path, params: Mapping[str, Any], tags: Map
         if run_id:
             run = resume_run(client, run_id, state.state_dir(run_dir))
             run_tags[TAG_RESUMES] = str(int(run.data.tags.get(TAG_RESUMES, "0")) + 1)
+            state.write_run(run_dir, state.stored_run(run_dir) | {"resumes": int(run_tags[TAG_RESUMES])})  # for offline
+            log_pending(client, run, state.state_dir(run_dir))
         else:
             experiment = experiment_id(client, config.tracking.experiment)
             run = client.create_run(experiment, run_name=run_name)
@@ -78,6 +86,84 @@ def open_run(config: Config, run_dir: Path, params: Mapping[str, Any], tags: Map
     # the trainer's tags win over config defaults
     return OpenedRun(client, run.info.run_id, run.info.experiment_id,
                      {key: run_tags[key] for key in MODEL_TAGS if key in run_tags}, archived)
+
+
+def open_offline_run(config: Config, run_dir: Path, params: dict[str, str], run_tags: dict[str, str],
+                     run_name: str | None, resume: bool | None, datasets: Sequence[DatasetRef]) -> OpenedRun:
+    """The run in the run dir alone: params, tags and datasets wait there for `rlops runs sync`. A finished
+    stored run moves aside whole (`previous-<id>/`, syncable as it is): offline nothing can drain it first."""
+    state_path = state.state_dir(run_dir)
+    record, archived = state.stored_run(run_dir), None
+    if record and resume is not True:
+        end = state.intended_end(run_dir)
+        stored_finished = end["status"] == FINISHED if end else False
+        if resume is False or stored_finished:
+            archived, record = state.archive_state(run_dir, offline.label(record)), None
+            log.warning("run dir %s held a finished run; moved to %s: `rlops runs sync %s` lands it", run_dir,
+                        archived, archived)
+    state_path.mkdir(parents=True, exist_ok=True)
+    if record is None:
+        record = offline.new_record(config.tracking.experiment, run_name)
+        state.write_run(run_dir, record)
+    else:
+        _, pending_tags = offline.read_pending(state_path)
+        run_tags[TAG_RESUMES] = str(int(pending_tags.get(TAG_RESUMES, record.get("resumes", 0))) + 1)
+        state.write_run(run_dir, record | {"resumes": int(run_tags[TAG_RESUMES])})
+    offline.add_pending(state_path, params, run_tags)
+    store_datasets(state_path, datasets)
+    log.info("tracking run %s offline in %s: `rlops runs sync %s` sends it to MLflow", offline.label(record),
+             state_path, run_dir)
+    return OpenedRun(None, offline.label(record), None, {key: run_tags[key] for key in MODEL_TAGS if key in run_tags},
+                     archived, offline=True)
+
+
+def server_answers(config: Config) -> bool:
+    """Whether the tracking server answers now (one request, no retries, the request timeout)."""
+    if not config.tracking_uri.startswith(("http://", "https://")):
+        return True  # a local store (sqlite, file) is always there
+    try:
+        response = http_request(get_default_host_creds(config.tracking_uri), "/health", "GET", max_retries=0,
+                                backoff_factor=0, timeout=config.tracking.request_timeout_s)
+    except Exception as exc:  # noqa: BLE001 - any failure to answer is the same here
+        log.warning("tracking server %s does not answer (%s): this run goes offline (tracking.offline_fallback)",
+                    mask_uri(config.tracking_uri), type(exc).__name__)
+        return False
+    return response.status_code < 500
+
+
+def bind_stored_run(client: MlflowClient, run_dir: Path) -> str | None:
+    """The server run of the run dir's stored run: an offline one is bound first, to the run that carries
+    its `rlops.offline_id` (made now, with the offline start time and name, if none does); params, tags and
+    datasets an offline session kept are logged. None when the run dir holds no run."""
+    record = state.stored_run(run_dir)
+    if not offline.unbound(record):
+        if record and offline.has_pending(state.state_dir(run_dir)):  # an online run continued offline
+            log_pending(client, client.get_run(record["run_id"]), state.state_dir(run_dir))
+        return record["run_id"] if record else None
+    experiment = experiment_id(client, record["experiment"])
+    found = client.search_runs([experiment], filter_string=f"tags.`{offline.TAG_OFFLINE_ID}` = '{record['offline_id']}'",
+                               run_view_type=ViewType.ALL, max_results=1)
+    if found:
+        run = found[0]
+        if run.info.lifecycle_stage != "active":
+            raise ValueError(f"offline run {record['offline_id']} was synced to run {run.info.run_id}, which is "
+                             "deleted; restore it to sync again")
+    else:
+        run = client.create_run(experiment, start_time=record["start_time_ms"], run_name=record["run_name"],
+                                tags={offline.TAG_OFFLINE_ID: record["offline_id"]})
+    state.write_run(run_dir, record | {"run_id": run.info.run_id, "experiment_id": experiment})
+    log_pending(client, client.get_run(run.info.run_id), state.state_dir(run_dir))
+    log.info("offline run %s is run %s of experiment %r", record["offline_id"], run.info.run_id, record["experiment"])
+    return run.info.run_id
+
+
+def log_pending(client: MlflowClient, run, state_path: Path) -> None:
+    """Log what an offline session kept for the server (params, tags, datasets), then forget it."""
+    params, tags = offline.read_pending(state_path)
+    if params or tags:
+        log_params_and_tags(client, run, params, tags)
+        log_datasets(client, run.info.run_id, stored_datasets(state_path))
+    offline.clear_pending(state_path)
 
 
 def client_for(config: Config) -> MlflowClient:
@@ -144,7 +230,7 @@ def log_params_and_tags(client: MlflowClient, run, params: dict[str, str], tags:
     """Log params the run lacks; a changed value on resume becomes a `rlops.param_changed.<key>` tag
     (MLflow forbids changing a param)."""
     to_log, changed = split_param_changes(run.data.params, params)
-    tags = tags | {TAG_PARAM_CHANGED + key: value for key, value in changed.items()}
+    tags = tags | param_change_tags(changed)
     items = sorted(to_log.items())
     tag_items = [RunTag(k, str(v)[:MAX_TAG_VALUE]) for k, v in tags.items()]
     for i in range(0, max(len(items), len(tag_items)), MAX_TAGS_PER_BATCH):

@@ -12,7 +12,7 @@ import logging
 import math
 import threading
 from collections import deque
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from mlflow import MlflowClient
 
@@ -76,12 +76,25 @@ def grid_image(images: list, passed: list[bool | None]):
     return grid
 
 
-class SampleUploader:
-    """Worker thread that renders and uploads sample tables; `add` never blocks the caller."""
+def upload_samples(client: MlflowClient, run_id: str, kind: str, step: int, columns: dict[str, list]) -> None:
+    """One sample table (its image column holds PIL images) and its grid, unless they landed already."""
+    folder = KINDS[kind]
+    name = f"step_{step}"
+    images = columns.get(IMAGE_COLUMN) or []
+    landed = {f.path.rsplit("/", 1)[-1] for f in client.list_artifacts(run_id, folder)}
+    if f"{name}.json" not in landed:  # log_table appends to a table that landed before a retry
+        client.log_table(run_id, columns, f"{folder}/{name}.json")
+    if images and f"{name}.png" not in landed:
+        passed = columns.get("passed") or [None] * len(images)
+        client.log_image(run_id, grid_image(images, passed), artifact_file=f"{folder}/{name}.png")
 
-    def __init__(self, client: MlflowClient, run_id: str, *, max_backoff_s: float):
-        self._client = client
-        self._run_id = run_id
+
+class SampleUploader:
+    """Worker thread that renders sample tables and hands them to `write(kind, step, columns)` (an upload,
+    or an offline run's job file); `add` never blocks the caller."""
+
+    def __init__(self, write: Callable[[str, int, dict[str, list]], None], *, max_backoff_s: float):
+        self._write = write
         self._max_backoff_s = max_backoff_s
         self._cond = threading.Condition()
         self._queue: deque[tuple[str, int, list]] = deque()
@@ -148,15 +161,7 @@ class SampleUploader:
                 backoff = min(self._max_backoff_s, backoff * 2)
 
     def _upload(self, kind: str, step: int, rows: list) -> None:
-        folder = KINDS[kind]
-        name = f"step_{step}"
         columns: dict[str, list] = {key: [row[key] for row in rows] for key in rows[0]}
-        images = [as_image(v) for v in columns[IMAGE_COLUMN]] if IMAGE_COLUMN in columns else []
-        if images:
-            columns[IMAGE_COLUMN] = images
-        landed = {f.path.rsplit("/", 1)[-1] for f in self._client.list_artifacts(self._run_id, folder)}
-        if f"{name}.json" not in landed:  # log_table appends to a table that landed before a retry
-            self._client.log_table(self._run_id, columns, f"{folder}/{name}.json")
-        if images and f"{name}.png" not in landed:
-            passed = [row.get("passed") for row in rows]
-            self._client.log_image(self._run_id, grid_image(images, passed), artifact_file=f"{folder}/{name}.png")
+        if IMAGE_COLUMN in columns:
+            columns[IMAGE_COLUMN] = [as_image(v) for v in columns[IMAGE_COLUMN]]
+        self._write(kind, step, columns)

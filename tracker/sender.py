@@ -57,7 +57,8 @@ class MetricSender:
     watermark. Whatever is queued while a request is in flight forms the next batch (no linger)."""
 
     def __init__(self, spool: MetricSpool, rest: MlflowRest, run_id: str, *, batch_size: int,
-                 max_backoff_s: float, on_dead_letters: Callable[[int], None] = lambda count: None):
+                 max_backoff_s: float, on_dead_letters: Callable[[int], None] = lambda count: None,
+                 start: bool = True):
         self._spool = spool
         self._rest = rest
         self._run_id = run_id
@@ -78,7 +79,8 @@ class MetricSender:
         self.last_error: str | None = None
         self.last_ack_at: float | None = None
         self._thread = threading.Thread(target=self._run, name="rlops-tracker-sender", daemon=True)
-        self._thread.start()
+        if start:  # not started: an offline session's counters, nothing to send
+            self._thread.start()
 
     def submit(self, chunk: Chunk) -> None:
         if not chunk.bodies:
@@ -99,7 +101,8 @@ class MetricSender:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
     @property
     def pending(self) -> int:

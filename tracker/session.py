@@ -10,6 +10,7 @@ run dir (`tracker.lock`).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -33,7 +34,8 @@ from tracker.naming import as_float, check_metrics, check_step, eval_key
 from tracker.outbox import MetricOutbox
 from tracker.registration import Registration
 from tracker.rest import MlflowRest
-from tracker.samples import KINDS, SampleUploader, bounded, check_rows
+from tracker.offline import OfflineRest
+from tracker.samples import KINDS, SampleUploader, bounded, check_rows, upload_samples
 from tracker.sender import TAG_DEAD_LETTERS
 from tracker.state import STATE_DIR, state_dir
 
@@ -44,28 +46,32 @@ class RunSession:
     """Use `RunSession.start(...)`, ideally as a context manager (exception -> FAILED,
     SIGTERM/KeyboardInterrupt -> KILLED, clean exit -> FINISHED)."""
 
-    def __init__(self, config: Config, run_dir: Path, client: MlflowClient, run_id: str, experiment_id: str,
-                 model_tags: dict[str, str], lock: RunDirLock, *, live: bool = True,
-                 archived: Path | None = None, system_node_id: str | None = None):
+    def __init__(self, config: Config, run_dir: Path, client: MlflowClient | None, run_id: str,
+                 experiment_id: str | None, model_tags: dict[str, str], lock: RunDirLock, *, live: bool = True,
+                 offline: bool = False, archived: Path | None = None, system_node_id: str | None = None):
         self.config = config
         self.run_dir = Path(run_dir)
         self.archived = archived  # where the run dir's previous (finished) run was moved, if any
+        self.offline = offline  # the run stays in the run dir: nothing is sent, `rlops runs sync` sends it
         self._state = state_dir(run_dir)
         self._client = client
         self._run_id = run_id
         self._experiment_id = experiment_id
         self._run_lock = lock
         self._live = live
-        self._rest = MlflowRest(config.tracking_uri, config.tracking.request_timeout_s)
+        self._rest = (OfflineRest(self._state, config.tracking.request_timeout_s) if offline
+                      else MlflowRest(config.tracking_uri, config.tracking.request_timeout_s))
         self._lock = threading.Lock()
         self._ended: str | None = None
         self.landed_checkpoints = 0
         self._outbox = MetricOutbox(self._state, self._rest, run_id, batch_size=config.tracking.batch_size,
                                     max_backoff_s=config.tracking.retry_max_backoff_s,
-                                    on_dead_letters=self._tag_dead_letters)
+                                    on_dead_letters=self._tag_dead_letters, send=not offline)
         self._datasets = EvalDatasets(stored_datasets(self._state))
+        # offline nothing lands: a registration always waits as a job for the sync
         self._registration = Registration(config, client, self._rest, run_id, experiment_id, self._state,
-                                          landed=self.flush, points_landed=self._outbox.flush,
+                                          landed=(lambda timeout_s: False) if offline else self.flush,
+                                          points_landed=self._outbox.flush,
                                           queue=lambda source: self._uploader.add_registration(source),
                                           datasets=self._datasets, model_tags=model_tags)
         self._evals = EvalLinking(self._state / state.EVALS_FILE,
@@ -74,7 +80,7 @@ class RunSession:
         self._uploader = ArtifactUploader(
             client, run_id, experiment_id, self._state, model_tags=model_tags,
             on_checkpoint=self._checkpoint_landed, on_register=self._registration.in_background,
-            max_backoff_s=config.tracking.retry_max_backoff_s)
+            max_backoff_s=config.tracking.retry_max_backoff_s, start=not offline)
         self._checkpoint_steps = self._evals.linked_steps | self._uploader.queued_checkpoint_steps()
         self._heartbeat: Heartbeat | None = None
         self._exit_guard: ExitGuard | None = None
@@ -82,12 +88,14 @@ class RunSession:
         self._system: system.SystemMetrics | None = None
         if not live:
             return
-        self._samples = SampleUploader(client, run_id, max_backoff_s=config.tracking.retry_max_backoff_s)
+        write_samples = self._uploader.add_samples if offline else functools.partial(upload_samples, client, run_id)
+        self._samples = SampleUploader(write_samples, max_backoff_s=config.tracking.retry_max_backoff_s)
         self._system = system.start(run_id, config.tracking_uri, config.tracking.system_metrics_interval_s,
                                     enabled=config.tracking.system_metrics, resume=self.resumed_after_step >= 0,
-                                    node_id=system_node_id)
+                                    node_id=system_node_id, spool_to=self._outbox.put_points if offline else None)
         state.clear_intended_end(self.run_dir)  # this session decides the end now
-        self._heartbeat = Heartbeat(self._rest, run_id, config.tracking.heartbeat_interval_s)
+        if not offline:
+            self._heartbeat = Heartbeat(self._rest, run_id, config.tracking.heartbeat_interval_s)
         # An interpreter exit without finish(): still land what is spooled (bounded); the run stays RUNNING
         # until `rlops runs sweep` fails it, since an unclean end is not FINISHED.
         self._exit_guard = ExitGuard(self._flush_at_exit)
@@ -131,7 +139,7 @@ class RunSession:
         opened = run_start.open_run(config, run_dir, params, tags, run_name, resume, datasets=datasets,
                                     drain_stored=lambda: cls._drain_stored(config, run_dir, lock))
         session = cls(config, run_dir, opened.client, opened.run_id, opened.experiment_id, opened.model_tags, lock,
-                      archived=opened.archived, system_node_id=system_node_id)
+                      offline=opened.offline, archived=opened.archived, system_node_id=system_node_id)
         if session.resumed_after_step >= 0:
             try:
                 session._rest.set_tags(session.run_id,
@@ -143,12 +151,13 @@ class RunSession:
     @classmethod
     def open_stored(cls, config: Config, run_dir: Path, lock: RunDirLock) -> "RunSession":
         """A session that only drains what the stored run left (no heartbeat, no status change): what
-        `flush_run_dir` and a new run over a finished one use. The caller holds `lock`."""
-        record = state.stored_run(run_dir)
-        if record is None:
-            raise FileNotFoundError(f"{run_dir} holds no tracked run ({STATE_DIR}/{state.RUN_FILE} is missing)")
+        `flush_run_dir` (and so `rlops runs sync`) and a new run over a finished one use; an offline run is
+        bound to its server run first. The caller holds `lock`."""
         client = run_start.client_for(config)
-        run = client.get_run(record["run_id"])
+        run_id = run_start.bind_stored_run(client, run_dir)
+        if run_id is None:
+            raise FileNotFoundError(f"{run_dir} holds no tracked run ({STATE_DIR}/{state.RUN_FILE} is missing)")
+        run = client.get_run(run_id)
         defaults = run_start.default_tags(config)
         model_tags = {key: run.data.tags.get(key, defaults.get(key)) for key in run_start.MODEL_TAGS}
         model_tags = {key: value for key, value in model_tags.items() if value is not None}
@@ -344,7 +353,7 @@ class RunSession:
         end = state.intended_end(self.run_dir)
         if flushed and end is not None:
             try:
-                self._mark_end(end["status"], end["tags"])
+                self._mark_end(end["status"], end["tags"], end.get("end_time_ms"))
                 state.clear_intended_end(self.run_dir)
             except Exception as exc:  # noqa: BLE001 - reported as left over
                 log.warning("could not mark run %s %s: %s", self._run_id, end["status"], exc)
@@ -374,10 +383,17 @@ class RunSession:
                 return
             self._ended = status
         if self._live:
-            self._heartbeat.stop()
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
             self._exit_guard.disarm()
         # kept until the server has it, so a flush after an outage still ends the run as it ended
         state.record_intended_end(self.run_dir, status, tags)
+        if self.offline:
+            self.flush(self.config.tracking.flush_timeout_s)
+            self._close()
+            log.info("offline run %s ended %s; `rlops runs sync %s` sends it to MLflow", self._run_id, status,
+                     self.run_dir)
+            return
         if not self.flush(self.config.tracking.flush_timeout_s):
             log.warning("run %s ended with %s not yet landed; they stay in %s and land with `rlops runs flush` "
                         "or when a session resumes this run dir", self._run_id, self._leftovers(), self._state)
@@ -388,11 +404,11 @@ class RunSession:
             log.warning("could not mark run %s %s: %s", self._run_id, status, exc)
         self._close()
 
-    def _mark_end(self, status: str, tags: dict[str, str]) -> None:
+    def _mark_end(self, status: str, tags: dict[str, str], end_time_ms: int | None = None) -> None:
         if self._outbox.sender.dead_letters:
             tags = tags | {TAG_DEAD_LETTERS: str(self._outbox.sender.dead_letters)}
         self._rest.set_tags(self._run_id, tags)
-        self._rest.update_run(self._run_id, status, int(time.time() * 1000))
+        self._rest.update_run(self._run_id, status, end_time_ms or int(time.time() * 1000))
 
     def _leftovers(self) -> str:
         parts = [(self._outbox.pending, "metric point(s)"), (self._uploader.pending, "upload/registration job(s)")]
@@ -403,9 +419,9 @@ class RunSession:
     def _close(self) -> None:
         """Stop the workers, then close the files they write (an upload still in flight past the bound
         finds them closed and leaves its job for the next start)."""
-        self._outbox.stop()
         if self._system is not None:
-            self._system.stop()
+            self._system.stop()  # first: an offline run's last sample goes to the outbox
+        self._outbox.stop()
         if self._samples is not None:
             self._samples.stop()
         if not self._uploader.stop():
@@ -421,7 +437,8 @@ class RunSession:
 
     def _flush_at_exit(self) -> None:
         if not self._ended:
-            self._heartbeat.stop()
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
             self.flush(self.config.tracking.flush_timeout_s)
 
     def _tag_dead_letters(self, count: int) -> None:

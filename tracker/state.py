@@ -2,8 +2,9 @@
 
 `<run_dir>/.rlops-tracker/` holds one MLflow run's state: `run.json` (its id), the spool and its watermark,
 `deadletter.jsonl`, `jobs/` (uploads and registrations not yet done), `evals.jsonl` (eval links) and
-`end.json` (the status the run should end with, kept until the server has it). Starting a new run in the
-same run dir first moves that folder to `<run_dir>/previous-<run_id>/`.
+`end.json` (the status the run should end with, kept until the server has it); an offline run also
+`pending_run.json` (`tracker.offline`). Starting a new run in the same run dir first moves that folder to
+`<run_dir>/previous-<run_id>/`.
 """
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import hashlib
 import json
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tracker import offline
 from tracker.checkpoints import JOBS_DIR
 from tracker.lock import Holder, read_holder
 from tracker.sender import dead_letter_count
@@ -46,7 +49,8 @@ def write_run(run_dir: Path, record: dict) -> None:
 
 
 def intended_end(run_dir: Path) -> dict | None:
-    """`{"status", "tags"}` of an end the server has not recorded yet (the server was down at the end)."""
+    """`{"status", "tags", "end_time_ms"}` of an end the server has not recorded yet (the server was down at
+    the end, or the run is offline)."""
     path = state_dir(run_dir) / END_FILE
     try:
         return json.loads(path.read_text())
@@ -55,7 +59,8 @@ def intended_end(run_dir: Path) -> dict | None:
 
 
 def record_intended_end(run_dir: Path, status: str, tags: dict[str, str]) -> None:
-    write_atomically(state_dir(run_dir) / END_FILE, json.dumps({"status": status, "tags": tags}))
+    write_atomically(state_dir(run_dir) / END_FILE, json.dumps({"status": status, "tags": tags,
+                                                               "end_time_ms": int(time.time() * 1000)}))
 
 
 def clear_intended_end(run_dir: Path) -> None:
@@ -83,6 +88,8 @@ def local_state_dir(data_path: Path, checkpoint_uri: str) -> Path:
 class RunDirStatus:
     run_dir: Path
     run_id: str | None
+    offline_id: str | None  # an offline run's stable id (`tracker.offline`)
+    unsynced: bool  # an offline run not bound to a server run yet, or with params/tags not sent yet
     spooled_points: int  # written to the spool, not yet acknowledged by MLflow
     dead_letters: int
     pending_checkpoints: int
@@ -94,7 +101,7 @@ class RunDirStatus:
 
     @property
     def drained(self) -> bool:
-        return not (self.spooled_points or self.pending_checkpoints or self.pending_tables
+        return not (self.unsynced or self.spooled_points or self.pending_checkpoints or self.pending_tables
                     or self.pending_registrations or self.intended_end)
 
 
@@ -117,8 +124,10 @@ def run_dir_status(run_dir: Path) -> RunDirStatus:
                     spooled += 1
     jobs = [p.stem for p in (state / JOBS_DIR).glob("*.json")] if (state / JOBS_DIR).is_dir() else []
     end = intended_end(run_dir)
+    record = stored_run(run_dir) or {}
     return RunDirStatus(
-        run_dir=Path(run_dir), run_id=stored_run_id(run_dir), spooled_points=spooled,
+        run_dir=Path(run_dir), run_id=record.get("run_id"), offline_id=record.get("offline_id"),
+        unsynced=offline.unbound(record) or offline.has_pending(state), spooled_points=spooled,
         dead_letters=dead_letter_count(state),
         pending_checkpoints=sum("-ckpt-" in j for j in jobs), pending_tables=sum(j.endswith("-table") for j in jobs),
         pending_registrations=sum(j.endswith("-register") for j in jobs), last_ack_at=last_ack_at,
