@@ -12,6 +12,7 @@ from rlops.config import Config
 from conftest import write_config
 from tasks.maze import datasets as ds
 from test_tracker_support import logged_table
+from tracker import sync_runs
 from tracker.lineage import content_digest
 from tasks.maze.env import answer_text, generate_maze, move, solve, walk_answer
 from tasks.maze.task import MazeTask, maze_item, shaped_reward
@@ -126,7 +127,9 @@ def test_cli_train_validates_before_training():
     assert too_big.exit_code != 0 and "GiB" in too_big.output
 
 
-def test_local_grpo_run_lands_in_mlflow(test_config, mlflow_client, tmp_path):
+@pytest.mark.parametrize("tracking", ["online", "offline"])
+def test_local_grpo_run_lands_in_mlflow(test_config, mlflow_client, tmp_path, tracking):
+    """Offline: trained with no server at all, then `rlops runs sync`: the same run, checked the same way."""
     config = test_config
     local = config.training.local
     local.num_generations, local.prompts_per_step = 4, 2
@@ -136,28 +139,38 @@ def test_local_grpo_run_lands_in_mlflow(test_config, mlflow_client, tmp_path):
     config.tracking.sample_items, config.tracking.sample_groups = 5, 1
     config.tracking.sample_train_every = 3
     config.tracking.system_metrics_interval_s = 1.0
-    result = train(config, tmp_path / "run", steps=4, budget_s=600, fast=True, log=lambda _: None)
+    if tracking == "online":
+        result = train(config, tmp_path / "run", steps=4, budget_s=600, fast=True, log=lambda _: None)
+        run_id, registered_version = result.run_id, result.registered_version
+    else:
+        offline = config.model_copy(deep=True)
+        offline.tracking.mode, offline.tracking.uri = "offline", "http://127.0.0.1:9"  # nothing answers there
+        result = train(offline, tmp_path / "run", steps=4, budget_s=600, fast=True, log=lambda _: None)
+        assert result.offline and result.registered_version is None and result.run_id.startswith("offline-")
+        report, = sync_runs(config, [tmp_path / "run"])
+        assert not report.left and report.registered.startswith(f"{config.registered_model} v")
+        run_id, registered_version = report.run_id, report.registered.rsplit(" v", 1)[1]
 
     assert result.steps == 4 and [s for s, _ in result.curve] == [0, 2, 4]
     assert result.before == result.curve[0][1] and 0.0 <= result.after <= 1.0
-    run = mlflow_client.get_run(result.run_id)
+    run = mlflow_client.get_run(run_id)
     assert run.info.status == "FINISHED"
     task = config.load_task()
     source = task.eval_sets()[0]
     assert source == "maze_2d/local7" and run.data.tags["rlops.task"] == "tasks.maze:MazeTask"
     assert run.data.params["task.answer_length"] == "8" and run.data.params["task.eval_size"] == "7"
     assert run.data.params["eval_layout_sha256"] == task.items_digest(task.eval_items(source))
-    rewards = mlflow_client.get_metric_history(result.run_id, "reward/avg_raw_reward")
+    rewards = mlflow_client.get_metric_history(run_id, "reward/avg_raw_reward")
     assert sorted(m.step for m in rewards) == [1, 2, 3, 4]
-    evals = mlflow_client.get_metric_history(result.run_id, f"eval/{source}/avg_score")
+    evals = mlflow_client.get_metric_history(run_id, f"eval/{source}/avg_score")
     assert sorted(m.step for m in evals) == [0, 2, 4]
     assert {m.step: m.value for m in evals}[4] == pytest.approx(result.after)
-    sampled = mlflow_client.get_metric_history(result.run_id, f"eval/{source}/{SAMPLED_METRIC}")
+    sampled = mlflow_client.get_metric_history(run_id, f"eval/{source}/{SAMPLED_METRIC}")
     assert {m.step: m.value for m in sampled} == pytest.approx(dict(result.sampled_curve))
     assert [s for s, _ in result.sampled_curve] == [0, 2, 4] and result.sampled_after == result.sampled_curve[-1][1]
 
     models = mlflow_client.search_logged_models(experiment_ids=[run.info.experiment_id],
-                                                filter_string=f"source_run_id = '{result.run_id}'")
+                                                filter_string=f"source_run_id = '{run_id}'")
     steps = sorted(int(m.tags["rlops.step"]) for m in models)
     assert steps == [2, 4]
     # names and lineage: a readable run name, a portable base id + content digest, the adapter's own params
@@ -182,21 +195,21 @@ def test_local_grpo_run_lands_in_mlflow(test_config, mlflow_client, tmp_path):
     for model in models:
         assert {(m.dataset_name, m.dataset_digest) for m in model.metrics} == {(source, eval_sha256[:36])}
     on_eval_set = mlflow_client.search_logged_models(
-        experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = '{result.run_id}'",
+        experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'",
         datasets=[{"dataset_name": source, "dataset_digest": eval_sha256[:36]}])
     assert len(on_eval_set) == 2
 
     # rollouts to look at: a bounded table with images per eval, a grid image, GRPO groups per log step
     for step in (0, 2, 4):
-        table = logged_table(mlflow_client, result.run_id, f"eval/samples/step_{step}.json", tmp_path / f"t{step}")
+        table = logged_table(mlflow_client, run_id, f"eval/samples/step_{step}.json", tmp_path / f"t{step}")
         assert [r["id"] for r in table] == [str(seed) for seed in ds.local_eval_set(7).seeds[:5]]
         assert {"image", "prompt", "completion", "moves", "reward", "passed"} <= set(table[0])
-        images = {a.path for a in mlflow_client.list_artifacts(result.run_id, f"table_images/eval/samples/step_{step}")}
+        images = {a.path for a in mlflow_client.list_artifacts(run_id, f"table_images/eval/samples/step_{step}")}
         assert {r["image"]["filepath"] for r in table} <= images
-    assert {a.path for a in mlflow_client.list_artifacts(result.run_id, "eval/samples")} == {
+    assert {a.path for a in mlflow_client.list_artifacts(run_id, "eval/samples")} == {
         f"eval/samples/step_{s}.{ext}" for s in (0, 2, 4) for ext in ("json", "png")}
-    groups = logged_table(mlflow_client, result.run_id, "train/samples/step_3.json", tmp_path / "g")
-    assert [a.path for a in mlflow_client.list_artifacts(result.run_id, "train/samples")] == [
+    groups = logged_table(mlflow_client, run_id, "train/samples/step_3.json", tmp_path / "g")
+    assert [a.path for a in mlflow_client.list_artifacts(run_id, "train/samples")] == [
         "train/samples/step_3.json", "train/samples/step_3.png"]  # every sample_train_every steps only
     assert len(groups) == local.num_generations and {r["group"] for r in groups} == {0}
     assert abs(sum(r["advantage"] for r in groups)) < 1e-3 and {"completion", "reward", "image"} <= set(groups[0])
@@ -206,12 +219,12 @@ def test_local_grpo_run_lands_in_mlflow(test_config, mlflow_client, tmp_path):
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= logged
     assert {"perf/step_s", "perf/tokens_per_s", "perf/eval_s", "perf/checkpoint_s", "perf/wall_s"} <= logged
 
-    assert result.registered_version is not None
-    version = mlflow_client.get_model_version(config.registered_model, result.registered_version)
+    assert registered_version is not None
+    version = mlflow_client.get_model_version(config.registered_model, registered_version)
     assert version.tags["rlops.metric_key"] == f"eval/{source}/avg_score"
     assert version.tags["rlops.eval_set_sha256"] == eval_sha256
     step = version.tags["rlops.step"]
-    for part in (f"eval/{source}/avg_score", f"step {step}", run.info.run_name, result.run_id, "tiny-init",
+    for part in (f"eval/{source}/avg_score", f"step {step}", run.info.run_name, run_id, "tiny-init",
                  base_sha256, eval_sha256):
         assert part in version.description
     assert mlflow_client.get_model_version_by_alias(config.registered_model, "candidate").version == version.version

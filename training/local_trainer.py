@@ -52,6 +52,7 @@ class TrainResult:
     registration_refused: str | None = None  # why nothing registered: no checkpoint beat the base
     registration_evidence: str | None = None  # how the registered checkpoint beat the base
     adapter_dir: Path | None = None  # the last checkpoint's adapter folder
+    offline: bool = False  # tracked offline: the run, and its registration, wait for `rlops runs sync`
 
     # The fixed-eval score before training (step 0) and of the last checkpoint, for each decoding.
     @property
@@ -375,7 +376,7 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
     with RunSession.start(_run_config(config, base_id), run_dir, params=params, resume=resume, tags=tags,
                           run_name=run_name or lineage.run_name(base_id, local.lora_rank),
                           datasets=datasets) as session:
-        result.run_id = session.run_id
+        result.run_id, result.offline = session.run_id, session.offline
         if session.archived is not None:
             archive_checkpoints(run_dir, session.archived)
             log(f"run dir {run_dir} held a finished run: moved it to {session.archived}; new run {session.run_id}")

@@ -109,6 +109,10 @@ def train(obj: CliContext, local: bool, dry_run: bool, steps: int | None, budget
         if points:
             curve = ", ".join(f"{step}: {rate:.3f}" for step, rate in points)
             click.echo(f"eval {result.eval_data_source} {label} pass rate by step: {curve}")
+    if result.offline:
+        click.echo(f"tracked offline: `rlops runs sync {folder}` (or `rlops runs export {folder} -o run.tgz` to "
+                   "carry it) sends the run to MLflow, where the best checkpoint is registered")
+        return
     if result.registration_refused:
         click.echo(f"registered version: none: {result.registration_refused}")
         return
