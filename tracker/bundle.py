@@ -19,7 +19,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from tracker import state
+from tracker import offline, state
+from tracker.checkpoints import sha256_of
 from tracker.lock import RunDirLock
 
 FORMAT = "rlops-run-bundle"
@@ -41,14 +42,6 @@ class Bundle:
     bytes: int
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _state_files(state_path: Path) -> list[Path]:
     return sorted(p for p in state_path.rglob("*")
                   if p.is_file() and not p.is_symlink() and not p.name.endswith(SKIPPED_SUFFIXES))
@@ -68,7 +61,7 @@ def export_run_dir(run_dir: Path, out: Path, lock_lease_s: float) -> Bundle:
         files = _state_files(state_path)
         manifest = {"format": FORMAT, "version": VERSION, "created_at": time.time(),
                     "run_id": record.get("run_id"), "offline_id": record.get("offline_id"),
-                    "files": {p.relative_to(state_path).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                    "files": {p.relative_to(state_path).as_posix(): {"size": p.stat().st_size, "sha256": sha256_of(p)}
                               for p in files}}
         tmp = out.with_name(out.name + ".tmp")
         with tarfile.open(tmp, "w:gz") as tar:
@@ -81,15 +74,14 @@ def export_run_dir(run_dir: Path, out: Path, lock_lease_s: float) -> Bundle:
         os.replace(tmp, out)
     finally:
         lock.release()
-    label = record.get("run_id") or f"offline-{record['offline_id']}"
-    return Bundle(out, label, len(files), sum(f["size"] for f in manifest["files"].values()))
+    return Bundle(out, offline.label(record), len(files), sum(f["size"] for f in manifest["files"].values()))
 
 
 def unpack_bundle(bundle: Path, data_path: Path) -> Path:
     """Check `bundle` whole, then unpack it under `<data_path>/synced-runs/` (once: a bundle unpacked before
     is found again, with what its syncs recorded since). Returns the run dir. Raises BundleError."""
     bundle = Path(bundle)
-    digest = _sha256(bundle)
+    digest = sha256_of(bundle)
     try:
         with tarfile.open(bundle, "r:*") as tar:
             members = tar.getmembers()  # reads to the end: a truncated file fails here
