@@ -125,8 +125,10 @@ def test_offline_run_with_no_server_then_sync_equals_the_same_run_logged_online(
     online = scripted_run(test_config.model_copy(deep=True), tmp_path / "online", adapters)
 
     run_dir = tmp_path / "offline"
+    offline_config = offline(test_config, system_metrics_interval_s=0.2)
+    offline_config.registry.models = [test_config.registry.models[0] + "-synced"]  # its own versions to compare
     t0 = time.time()
-    gone = scripted_run(offline(test_config, system_metrics_interval_s=0.2), run_dir, adapters)
+    gone = scripted_run(offline_config, run_dir, adapters)
     assert gone.offline and gone.run_id.startswith("offline-") and time.time() - t0 < 30  # never waited on a network
     assert gone.registered is None
     status = run_dir_status(run_dir)
@@ -137,17 +139,17 @@ def test_offline_run_with_no_server_then_sync_equals_the_same_run_logged_online(
     record, end = stored_run(run_dir), json.loads((run_dir / STATE_DIR / END_FILE).read_text())
 
     sync_config = test_config.model_copy(deep=True)
-    sync_config.registry.models = [test_config.registry.models[0] + "-synced"]
+    sync_config.tracking.beat_base_max_p = None  # the run's own registration rule decides, not the syncing config's
     config_path = write_config(sync_config, tmp_path / "mlflow.yaml")
     synced = CliRunner().invoke(rlops_cli, ["--config", str(config_path), "runs", "sync", str(run_dir), "--json"])
     assert synced.exit_code == 0, synced.output
     report, = json.loads(synced.stdout)
     assert report["offline_id"] == record["offline_id"] and report["ended"] == "FINISHED" and report["left"] == ""
-    assert report["registered"] == f"{sync_config.registered_model} v1"
+    assert report["registered"] == f"{offline_config.registered_model} v1"
     run_id = report["run_id"]
 
     want = snapshot(mlflow_client, online.run_id, test_config.registered_model, tmp_path / "a")
-    got = snapshot(mlflow_client, run_id, sync_config.registered_model, tmp_path / "b")
+    got = snapshot(mlflow_client, run_id, offline_config.registered_model, tmp_path / "b")
     for key in want:
         assert got[key] == want[key], key
     assert got == want
@@ -160,7 +162,7 @@ def test_offline_run_with_no_server_then_sync_equals_the_same_run_logged_online(
     # (the eval points are re-sent linked, as on any resume: MLflow drops what it has)
     assert again.exit_code == 0 and "0 checkpoint(s) landed" in again.output and "synced" in again.output
     assert synced_run_id(mlflow_client, test_config.tracking.experiment, record["offline_id"]) == [run_id]
-    assert snapshot(mlflow_client, run_id, sync_config.registered_model, tmp_path / "c") == want
+    assert snapshot(mlflow_client, run_id, offline_config.registered_model, tmp_path / "c") == want
 
 
 def test_sync_killed_at_any_point_then_run_again_gives_one_exact_run(stack, test_config, tmp_path, mlflow_client,

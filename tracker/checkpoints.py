@@ -69,7 +69,7 @@ class ArtifactUploader:
 
     def __init__(self, client: MlflowClient, run_id: str, experiment_id: str, state_dir: Path, *,
                  model_tags: dict[str, str], on_checkpoint: Callable[[int, str], None],
-                 on_register: Callable[[str], None], max_backoff_s: float, start: bool = True):
+                 on_register: Callable[[str, dict | None], None], max_backoff_s: float, start: bool = True):
         self._client = client
         self._run_id = run_id
         self._experiment_id = experiment_id
@@ -123,12 +123,12 @@ class ArtifactUploader:
         self._enqueue(job, {"kind": "samples", "sample_kind": kind, "step": step, "data": _plain(data),
                             "images": len(images) if images is not None else None})
 
-    def add_registration(self, data_source: str) -> None:
-        """Queue a best-checkpoint registration behind the uploads queued so far."""
+    def add_registration(self, data_source: str, rule: dict) -> None:
+        """Queue a best-checkpoint registration (by `rule`, tracker.registration) behind the uploads queued so far."""
         with self._cond:
             job = self._dir / f"{self._next:06d}-register.json"
             self._next += 1
-        self._enqueue(job, {"kind": "register", "data_source": data_source})
+        self._enqueue(job, {"kind": "register", "data_source": data_source, "rule": rule})
 
     def _enqueue(self, job: Path, spec: dict) -> None:
         _write_json(job, spec)
@@ -194,7 +194,7 @@ class ArtifactUploader:
         if spec["kind"] == "checkpoint":
             self._upload_checkpoint(job, spec)
         elif spec["kind"] == "register":
-            self._on_register(spec["data_source"])
+            self._on_register(spec["data_source"], spec.get("rule"))
         elif spec["kind"] == "samples":
             self._upload_samples(job, spec)
         else:

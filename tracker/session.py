@@ -72,7 +72,7 @@ class RunSession:
         self._registration = Registration(config, client, self._rest, run_id, experiment_id, self._state,
                                           landed=(lambda timeout_s: False) if offline else self.flush,
                                           points_landed=self._outbox.flush,
-                                          queue=lambda source: self._uploader.add_registration(source),
+                                          queue=lambda source, rule: self._uploader.add_registration(source, rule),
                                           datasets=self._datasets, model_tags=model_tags)
         self._evals = EvalLinking(self._state / state.EVALS_FILE,
                                   lambda points: self._outbox.put_points(points, self._datasets.link),
