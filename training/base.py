@@ -158,8 +158,8 @@ def sft(init_dir: Path, out_dir: Path, config: Config, task: Task) -> dict:
     args = TrainingArguments(
         output_dir=str(work), max_steps=max(1, local.sft_steps), per_device_train_batch_size=16,
         learning_rate=local.sft_learning_rate, lr_scheduler_type="cosine", warmup_steps=min(20, local.sft_steps // 10),
-        weight_decay=0.0, logging_steps=50, save_strategy="no", report_to="none", use_cpu=True,
-        remove_unused_columns=False, dataloader_num_workers=0, seed=local.seed,
+        weight_decay=0.0, logging_steps=50, save_strategy="no", report_to="none",
+        use_cpu=not torch.cuda.is_available(), remove_unused_columns=False, dataloader_num_workers=0, seed=local.seed,
     )
     started = time.monotonic()
     if local.sft_steps > 0:

@@ -103,7 +103,7 @@ def generate_answers(model, processor, items: list[TaskItem], max_new_tokens: in
                 chunk = items[i:i + batch_size]
                 texts = [prompts.setdefault(it.text, processor.apply_chat_template(
                     prompt_messages(it.text), tokenize=False, add_generation_prompt=True)) for it in chunk]
-                batch = processor(text=texts, images=[pil_image(it) for it in chunk], padding=True, return_tensors="pt")
+                batch = processor(text=texts, images=[pil_image(it) for it in chunk], padding=True, return_tensors="pt").to(model.device)
                 out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                      **sampling)
                 answers += processor.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)

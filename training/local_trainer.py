@@ -285,7 +285,8 @@ def grpo_trainer(config: Config, task: Task, base: Path, run_dir: Path, steps: i
         num_generations=local.num_generations, max_completion_length=task.answer_length,
         temperature=local.temperature, beta=local.beta,
         reward_weights=[1.0, 0.0],
-        use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", logging_steps=1,
+        use_cpu=not torch.cuda.is_available(), bf16=False,  # a GPU where there is one (scripts/gpu_offline_run.sh)
+        gradient_checkpointing=False, report_to="none", logging_steps=1,
         # full checkpoints (optimizer, scheduler, RNG, global step): a rerun on the run dir resumes from them
         save_strategy="steps", save_steps=min(local.ckpt_interval, local.eval_interval), save_only_model=False,
         seed=local.seed, dataloader_num_workers=0, remove_unused_columns=False,
