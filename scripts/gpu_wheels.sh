@@ -11,10 +11,12 @@
 #   which needs the `databricks` namespace package: databricks-sdk (its modules are not imported).
 # - Not carried (declared by mlflow-skinny but not imported on this path): gitpython, uvicorn, python-dotenv,
 #   google-auth/cryptography (databricks.sdk); boto3 (S3 artifacts: the offline mode uploads nothing).
-# - typing_extensions: pydantic 2.14 needs >= 4.16.0 (the image's may be older); drop it if the image's is newer.
+# - Not carried either, the image has them (2026-12 reading): typing_extensions 4.16.0 (pydantic 2.14 needs >= 4.16.0),
+#   pyarrow 25.0.1, huggingface_hub 1.33.0, fsspec 2026.7.0, protobuf 7.36.2, anyio 4.15.1, accelerate, peft, pandas.
+# Checked on nvidia-h200 (2026-12-04): imports, `rlops train --help`, a 4-step offline `train --local --fast` on CUDA.
 #
 # Usage, in the repo root (pip of any Python here; downloads cp312 manylinux wheels for the device):
-#   bash scripts/gpu_wheels.sh            # -> .whl/ (about 13 MiB), ignored via .git/info/exclude
+#   bash scripts/gpu_wheels.sh            # -> .whl/ (19 wheels, about 11 MiB), ignored via .git/info/exclude
 # On the device (run tool, carry [".whl"]), begin the command with:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;
@@ -33,7 +35,6 @@ WHEELS=(
     pydantic_core==2.50.5
     annotated-types==0.8.0
     typing-inspection==0.4.5
-    typing_extensions==4.16.0
     # the tracker (mlflow client only) and what `import mlflow` imports
     mlflow-skinny==3.17.2
     cachetools==7.3.3
