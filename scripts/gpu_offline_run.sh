@@ -29,7 +29,7 @@ EOF
 rlops() { python3 -m rlops.cli --config "$CONFIG" "$@"; }
 python3 -c 'import torch; print("cuda:", torch.cuda.is_available(), torch.cuda.get_device_name(0))'
 start=$(date +%s)
-rlops base build -v 2>&1 | tail -5
+rlops base build 2>&1 | tail -5
 rlops train --local --run-dir "$RUN_DIR" --json -v >"$OUT/train.json" 2>"$OUT/train.log" || { tail -40 "$OUT/train.log"; exit 1; }
 echo "GPU minutes (base + GRPO): $(( ($(date +%s) - start) / 60 ))"
 rlops runs export "$RUN_DIR" -o "$OUT/gpu-run.tgz"
