@@ -2,7 +2,9 @@
 # The offline GPU run (issue 32): GRPO on a GPU machine that cannot reach MLflow, tracked offline, brought
 # home as one bundle. Run on that machine in the repo root, after `bash scripts/gpu_wheels.sh` made .whl/
 # here and the tree (with .whl/) was carried there:
-#   OUT=<folder that comes back> STEPS=200 BUDGET=420 bash scripts/gpu_offline_run.sh
+#   OUT=<folder that comes back> STEPS=200 BUDGET=420 [EVAL_EVERY=20 PROMPTS=8 BASE_TGZ=base.tgz] \
+#     bash scripts/gpu_offline_run.sh
+# BASE_TGZ: a base.tgz of an earlier run, so the SFT base is not built again (and stays the one served).
 # It writes to $OUT: gpu-run.tgz (the run: `rlops runs sync gpu-run.tgz` here), base.tgz (the SFT base the
 # adapter was trained on: serving here needs the same base), train.json (the trainer's result) and train.log.
 # Then, on a machine that reaches the stack (README "Train where MLflow cannot be reached"):
@@ -13,6 +15,8 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:?set OUT to the folder that comes back}"
 STEPS="${STEPS:-200}"
 BUDGET="${BUDGET:-420}"
+EVAL_EVERY="${EVAL_EVERY:-20}"
+PROMPTS="${PROMPTS:-8}"
 SITE=/tmp/rlops-site
 DATA=/tmp/rlops-gpu-data
 RUN_DIR=/tmp/rlops-gpu-run
@@ -24,8 +28,9 @@ cat >"$CONFIG" <<EOF
 data_dir: $DATA
 tracking: {mode: offline, system_metrics_interval_s: 5}
 training:
-  local: {steps: $STEPS, budget_s: $BUDGET, eval_interval: 20, ckpt_interval: 20, prompts_per_step: 8}
+  local: {steps: $STEPS, budget_s: $BUDGET, eval_interval: $EVAL_EVERY, ckpt_interval: $EVAL_EVERY, prompts_per_step: $PROMPTS}
 EOF
+if [ -n "${BASE_TGZ:-}" ]; then mkdir -p "$DATA/models" && tar xzf "$BASE_TGZ" -C "$DATA/models"; fi
 rlops() { python3 -m rlops.cli --config "$CONFIG" "$@"; }
 python3 -c 'import torch; print("cuda:", torch.cuda.is_available(), torch.cuda.get_device_name(0))'
 start=$(date +%s)
