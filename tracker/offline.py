@@ -23,10 +23,6 @@ PENDING_FILE = "pending_run.json"
 LABEL_PREFIX = "offline-"
 
 
-class OfflineError(ConnectionError):
-    """What an offline session cannot do (it has no server to ask)."""
-
-
 def new_record(experiment: str, run_name: str | None) -> dict:
     """`run.json` of a new offline run (not bound to a server run yet)."""
     return {"run_id": None, "offline_id": uuid.uuid4().hex, "experiment": experiment, "run_name": run_name,
@@ -70,17 +66,11 @@ def clear_pending(state_dir: Path) -> None:
 
 
 class OfflineRest:
-    """The session's REST face while offline: tags wait in `pending_run.json`; nothing else can be sent."""
+    """The session's REST face while offline: its tags wait in `pending_run.json` (an offline session sends
+    nothing else: its sender never starts and its end waits in end.json)."""
 
-    def __init__(self, state_dir: Path, timeout_s: float):
+    def __init__(self, state_dir: Path):
         self._state_dir = Path(state_dir)
-        self.timeout_s = timeout_s
 
     def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
         add_pending(self._state_dir, tags=tags)
-
-    def log_metrics(self, run_id: str, metrics_json, timeout_s: float | None = None) -> None:
-        raise OfflineError("an offline run sends no metrics: `rlops runs sync` does")
-
-    def update_run(self, run_id: str, status: str, end_time_ms: int) -> None:
-        raise OfflineError("an offline run records its end in end.json: `rlops runs sync` sends it")

@@ -70,7 +70,6 @@ def open_run(config: Config, run_dir: Path, params: Mapping[str, Any], tags: Map
             run = resume_run(client, run_id, state.state_dir(run_dir))
             run_tags[TAG_RESUMES] = str(int(run.data.tags.get(TAG_RESUMES, "0")) + 1)
             state.write_run(run_dir, state.stored_run(run_dir) | {"resumes": int(run_tags[TAG_RESUMES])})  # for offline
-            log_pending(client, run, state.state_dir(run_dir))
         else:
             experiment = experiment_id(client, config.tracking.experiment)
             run = client.create_run(experiment, run_name=run_name)
@@ -152,7 +151,7 @@ def bind_stored_run(client: MlflowClient, run_dir: Path) -> str | None:
         run = client.create_run(experiment, start_time=record["start_time_ms"], run_name=record["run_name"],
                                 tags={offline.TAG_OFFLINE_ID: record["offline_id"]})
     state.write_run(run_dir, record | {"run_id": run.info.run_id, "experiment_id": experiment})
-    log_pending(client, client.get_run(run.info.run_id), state.state_dir(run_dir))
+    log_pending(client, run, state.state_dir(run_dir))
     log.info("offline run %s is run %s of experiment %r", record["offline_id"], run.info.run_id, record["experiment"])
     return run.info.run_id
 

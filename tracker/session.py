@@ -59,7 +59,7 @@ class RunSession:
         self._experiment_id = experiment_id
         self._run_lock = lock
         self._live = live
-        self._rest = (OfflineRest(self._state, config.tracking.request_timeout_s) if offline
+        self._rest = (OfflineRest(self._state) if offline
                       else MlflowRest(config.tracking_uri, config.tracking.request_timeout_s))
         self._lock = threading.Lock()
         self._ended: str | None = None
