@@ -254,6 +254,8 @@ class ServingConfig(_Section):
                        "below the engine's max_num_seqs so one call cannot take every decoding slot")
     max_request_tokens: int = Field(16384, ge=1, description="most generated tokens one request may ask for: "
                                     "sequences x max_tokens (a 400 names the parameter above it)")
+    request_log: bool = Field(False, description="one JSON line per answer in the ingress log (model, alias, version, "
+                              "status, latency); Serve's access log already has a line per request without them")
     secrets_name: str = Field("rlops-serving", description="Kubernetes Secret that --print-config references")
     traces: TracesConfig = Field(default_factory=TracesConfig)
 

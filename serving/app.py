@@ -89,6 +89,7 @@ def ingress_settings(config: Config) -> dict[str, Any]:
         "api_keys_env": serving.api_keys_env,
         "keys_file": feedback_settings(config)["keys_file"],  # absolute: the replicas' working directory is Ray's
         "ingress_replicas": serving.ingress_replicas,
+        "request_log": serving.request_log,
         "traces": trace_settings(config),
     }
 

@@ -54,6 +54,7 @@ class IngressSettings(RoutesSettings):
     api_keys_env: str | None = None  # name of the env var with comma-separated all-models keys
     keys_file: str | None = None  # scoped keys (serving.access); neither: no auth
     ingress_replicas: int = Field(1, ge=1)  # each replica enforces its share of a key's rate limits
+    request_log: bool = False  # a JSON line per answer in the replica log
     traces: TraceWriterSettings | None = None  # None or sample rate 0: nothing is traced
 
 
@@ -223,9 +224,12 @@ LATENCY_BOUNDARIES_MS = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 
 
 class IngressMetrics:
     """Prometheus metrics through Ray Serve's metrics API, tagged by resolved model/alias/version only
-    (never the raw client string: unknown names would blow up the label cardinality)."""
+    (never the raw client string: unknown names would blow up the label cardinality). Histograms are observed
+    per answer; counters are summed per tag set and added every `COUNTS_FLUSH_S` (Ray exports every few
+    seconds anyway, and a record call costs tens of microseconds on the request path)."""
 
     TAGS = ("registered_model", "alias", "version", "canary", "endpoint")
+    COUNTS_FLUSH_S = 0.5
 
     def __init__(self):
         from ray.serve import metrics
@@ -242,29 +246,50 @@ class IngressMetrics:
         self.traces = metrics.Counter("rlops_serving_traces", "Sampled requests by what became of their trace: "
                                       "recorded, scored, dropped (queue full), failed (MLflow refused it).",
                                       tag_keys=("outcome",))
+        self._counts: dict[tuple[str, ...], list[int]] = {}  # tag values -> [requests, prompt, completion]
+        self._error_counts: dict[tuple[str, ...], int] = {}  # tag values + status -> errors
+        self._flush_due = False
 
     def count_traces(self, outcome: str, n: int) -> None:
         self.traces.inc(n, tags={"outcome": outcome})
 
     def record(self, resolution: Resolution | None, endpoint: str, status: int, latency_ms: float, *,
                ttft_ms: float | None = None, usage: tuple[int, int] | None = None) -> None:
+        """Called on the replica's event loop (the request path), which also runs the counters' flush."""
         ref = resolution.ref if resolution else None
-        tags = {
-            "registered_model": (ref.model or "(base)") if ref else "(unresolved)",
-            "alias": (resolution.alias or "") if resolution else "",
-            "version": str(resolution.version or "") if resolution else "",
-            "canary": "true" if resolution and resolution.canary else "false",
-            "endpoint": endpoint,
-        }
-        self.requests.inc(tags=tags)
+        values = ((ref.model or "(base)") if ref else "(unresolved)",
+                  (resolution.alias or "") if resolution else "",
+                  str(resolution.version or "") if resolution else "",
+                  "true" if resolution and resolution.canary else "false",
+                  endpoint)
+        tags = dict(zip(self.TAGS, values))
         self.latency.observe(latency_ms, tags=tags)
         if ttft_ms is not None:
             self.ttft.observe(ttft_ms, tags=tags)
+        counts = self._counts.setdefault(values, [0, 0, 0])
+        counts[0] += 1
         if usage is not None:
-            self.tokens.inc(usage[0], tags={**tags, "kind": "prompt"})
-            self.tokens.inc(usage[1], tags={**tags, "kind": "completion"})
+            counts[1] += usage[0]
+            counts[2] += usage[1]
         if status >= 400:
-            self.errors.inc(tags={**tags, "status": str(status)})
+            errors_key = (*values, str(status))
+            self._error_counts[errors_key] = self._error_counts.get(errors_key, 0) + 1
+        if not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_later(self.COUNTS_FLUSH_S, self.flush_counts)
+
+    def flush_counts(self) -> None:
+        counts, self._counts = self._counts, {}
+        error_counts, self._error_counts = self._error_counts, {}
+        self._flush_due = False
+        for values, (requests, prompt, completion) in counts.items():
+            tags = dict(zip(self.TAGS, values))
+            self.requests.inc(requests, tags=tags)
+            for kind, tokens in (("prompt", prompt), ("completion", completion)):
+                if tokens > 0:  # Ray's counters refuse an increment of 0
+                    self.tokens.inc(tokens, tags={**tags, "kind": kind})
+        for values, errors in error_counts.items():
+            self.errors.inc(errors, tags={**dict(zip(self.TAGS, values[:-1])), "status": values[-1]})
 
 
 # ----------------------------------------------------------------------------------------------- ingress
@@ -297,6 +322,9 @@ class AliasIngress(OpenAiIngress):
         self._retry_after_s = max(1, math.ceil(self._settings.staleness_s))
 
     def __del__(self):  # Serve's graceful shutdown of the replica
+        metrics = getattr(self, "_metrics", None)
+        if metrics is not None:
+            metrics.flush_counts()
         routes = getattr(self, "_routes", None)
         if routes is not None:
             routes.stop(wait=False)
@@ -513,12 +541,13 @@ class AliasIngress(OpenAiIngress):
                 version=resolution.version, canary=resolution.canary, client=sample.client,
                 started_ns=sample.started_ns, latency_ms=latency_ms, ttft_ms=ttft_ms, status=status, usage=usage,
                 request=sample.raw, answer=answer, stream=stream))
-        log.info(json.dumps({
-            "event": "request", "endpoint": endpoint, "status": status, "stream": stream,
-            "model": ref.raw if ref else None, "alias": resolution.alias if resolution else None,
-            "version": resolution.version if resolution else None, "latency_ms": round(latency_ms, 2),
-            "canary": bool(resolution and resolution.canary),
-        }))
+        if self._settings.request_log:
+            log.info(json.dumps({
+                "event": "request", "endpoint": endpoint, "status": status, "stream": stream,
+                "model": ref.raw if ref else None, "alias": resolution.alias if resolution else None,
+                "version": resolution.version if resolution else None, "latency_ms": round(latency_ms, 2),
+                "canary": bool(resolution and resolution.canary),
+            }))
 
 
 async def _rewrite_stream(chunks: AsyncIterator, rewrite: NameRewriter):

@@ -174,7 +174,7 @@ def served(stack, tmp_path_factory) -> ServedApp:
             "model_source": str(base_dir), "dynamic_lora_loading_path": f"s3://{stack.config.storage.bucket}/lora-serving-{suffix}",
             "port": processes.free_port(), "replica_cpus": 0.5, "routes_staleness_s": STALENESS_S,
             "api_keys_env": API_KEY_ENV, "max_request_bytes": 2 * 1024 * 1024, "metrics_port": processes.free_port(),
-            "keys_file": str(root / "keys.yaml"),
+            "keys_file": str(root / "keys.yaml"), "request_log": True,
             # every request traced, a short queue: the whole module runs with recording on and a freeze fills it
             "traces": {"sample_rate": 1.0, "queue_size": TRACE_QUEUE, "experiment": f"serving-base-{suffix}"},
         },
@@ -434,7 +434,8 @@ def test_keys_file_rotation_without_restart_and_a_broken_file_keeps_the_last_goo
 
 
 def test_metrics_per_alias_and_logs_without_secrets(served: ServedApp):
-    """Prometheus metrics (Ray Serve's metrics API) carry the resolved alias/version; logs carry no secrets."""
+    """Prometheus metrics (Ray Serve's metrics API) carry the resolved alias/version; the per-answer log line
+    (`serving.request_log`) is there, and logs carry no secrets."""
     served.openai().chat.completions.create(model=served.name("@staging"), messages=chat_messages(False), max_tokens=2)
     metrics_url = f"http://127.0.0.1:{served.config.serving.metrics_port}/metrics"
     deadline = time.monotonic() + 40
