@@ -152,7 +152,7 @@ def main() -> None:
         seed_s3(config, args.weight)
         register_breach(config, args.weight)
 
-    with echo_serve(config, root, seed, timeout_s=300) as port:
+    with echo_serve(config, root, seed, timeout_s=300, pin=args.pin) as port:
         url, base = f"http://127.0.0.1:{port}", config.serving.base_model_id
         alias_app, _ = build_apps(config, engine_env={"ECHO_FAIL_MODELS": f"{base}:{version_folder(BREACH, 2)}"})
         serve.run(alias_app, name="alias", route_prefix="/")

@@ -61,7 +61,7 @@ def main() -> None:
                for side, rate in (("off", 0.0), ("default", default_rate), ("all", 1.0))}
     maze = load_task(configs["off"].task.path)
     messages = maze.eval_items(maze.eval_sets()[0])[0].messages()  # a maze with its picture
-    with echo_serve(configs["off"], root) as port:
+    with echo_serve(configs["off"], root, pin=args.pin) as port:
         register_bench_version(configs["off"])
         for side, config in configs.items():
             serve.run(build_openai_app(echo_args(config)), name=side, route_prefix=f"/{side}")
