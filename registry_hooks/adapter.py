@@ -27,9 +27,10 @@ class InvalidAdapter(ValueError):
 @dataclass(frozen=True)
 class AdapterPolicy:
     max_rank: int
-    base_models: frozenset[str]
+    base_models: frozenset[str]  # names of the served base: its weights source, its served id, accepted others
     target_modules: frozenset[str]
     tower_connector_lora: bool = False
+    base_sha256: str | None = None  # the served base's content digest, where it is a local folder
 
 
 def copy_order(names: Iterable[str]) -> list[str]:
@@ -60,8 +61,12 @@ def parse_adapter_config(raw: bytes) -> dict[str, Any]:
     return data
 
 
-def check_adapter_config(data: Mapping[str, Any], policy: AdapterPolicy, base_model_tag: str | None = None) -> int:
-    """LoRA only, rank within the served max, base and target modules the served base has. Returns the rank."""
+def check_adapter_config(data: Mapping[str, Any], policy: AdapterPolicy, base_model_tag: str | None = None,
+                         base_sha256: str | None = None) -> int:
+    """LoRA only, rank within the served max, base and target modules the served base has. Returns the rank.
+    The adapter's own base name decides, unless it is an absolute path that is not the served base's: a run
+    trained on another machine records that machine's path, so the tracker's portable base tag decides then;
+    where both the run and the served base have a content digest, they must be the same weights."""
     if data.get("peft_type") != "LORA":
         raise InvalidAdapter(f"not a LoRA adapter (peft_type {data.get('peft_type')!r})")
     ranks = [data.get("r"), *dict(data.get("rank_pattern") or {}).values()]
@@ -70,11 +75,16 @@ def check_adapter_config(data: Mapping[str, Any], policy: AdapterPolicy, base_mo
     rank = max(ranks)
     if rank > policy.max_rank:
         raise InvalidAdapter(f"LoRA rank {rank} is above the served max_lora_rank {policy.max_rank}")
-    base = data.get("base_model_name_or_path") or base_model_tag
+    recorded = data.get("base_model_name_or_path")
+    machine_path = isinstance(recorded, str) and recorded.startswith("/")
+    base = recorded if recorded and (recorded in policy.base_models or not machine_path) else base_model_tag or recorded
     if not base:
         raise InvalidAdapter("the adapter names no base model")
     if base not in policy.base_models:
         raise InvalidAdapter(f"base model {base!r} is not the served base")
+    if base_sha256 and policy.base_sha256 and base_sha256 != policy.base_sha256:
+        raise InvalidAdapter(f"trained on other base weights than the served ones (content sha256 "
+                             f"{base_sha256[:12]}... vs {policy.base_sha256[:12]}...)")
     targets = data.get("target_modules")
     if isinstance(targets, str) or not targets:
         raise InvalidAdapter("target_modules must be an explicit list (a regex cannot be checked against the base)")

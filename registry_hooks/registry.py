@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from registry_hooks.adapter import InvalidAdapter
 from registry_hooks.plan import Intent
 from rlops.config import Config
-from rlops.layout import (CANARY_WEIGHT_TAG, MOVE_NOTE_TAG, TAG_BASE_MODEL, TAG_EVAL_SET, TAG_METRIC_KEY,
-                          TAG_METRIC_VALUE, TAG_SHA256, MoveNote, S3Location, canary_alias, parse_s3_uri,
+from rlops.layout import (CANARY_WEIGHT_TAG, MOVE_NOTE_TAG, TAG_BASE_MODEL, TAG_BASE_MODEL_SHA256, TAG_EVAL_SET,
+                          TAG_METRIC_KEY, TAG_METRIC_VALUE, TAG_SHA256, MoveNote, S3Location, canary_alias, parse_s3_uri,
                           version_model_id)
 
 MOVE_REASON_LIMIT = 2000
@@ -51,6 +51,7 @@ class VersionSource:
     metric_value: float | None
     tags: dict[str, str] = field(default_factory=dict)
     eval_set: str | None = None
+    base_sha256: str | None = None  # the content digest of the base it was trained on, where the tracker knew it
 
 
 def mlflow_client(config: Config) -> MlflowClient:
@@ -217,7 +218,8 @@ def version_source(client: MlflowClient, model: str, version: int) -> VersionSou
     checksums = {k[len(TAG_SHA256):]: v.lower() for k, v in recorded.items() if k.startswith(TAG_SHA256)}
     metric_key, metric_value = _metric(version_tags)
     return VersionSource(model, int(mv.version), artifact_uri, checksums, recorded.get(TAG_BASE_MODEL),
-                         metric_key, metric_value, version_tags, eval_set=version_tags.get(TAG_EVAL_SET))
+                         metric_key, metric_value, version_tags, eval_set=version_tags.get(TAG_EVAL_SET),
+                         base_sha256=recorded.get(TAG_BASE_MODEL_SHA256))
 
 
 def artifact_s3_location(config: Config, artifact_uri: str) -> S3Location | None:
@@ -237,6 +239,15 @@ def artifact_s3_location(config: Config, artifact_uri: str) -> S3Location | None
 def set_tags(client: MlflowClient, model: str, version: int, tags: dict[str, str]) -> None:
     for key, value in tags.items():
         client.set_model_version_tag(model, str(version), key, value)
+
+
+def delete_tag(client: MlflowClient, model: str, version: int, key: str) -> None:
+    """Drop a version tag; an absent one is fine."""
+    try:
+        client.delete_model_version_tag(model, str(version), key)
+    except MlflowException as exc:
+        if not (_not_found(exc) or "not found" in exc.message):
+            raise
 
 
 def set_alias(client: MlflowClient, model: str, alias: str, version: int) -> None:

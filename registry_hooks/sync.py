@@ -9,6 +9,7 @@ after the manifest it replaces, an older intent cannot overwrite a newer one (a 
 """
 from __future__ import annotations
 
+import functools
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +56,7 @@ from rlops.layout import (
     utc_now,
     version_folder,
 )
+from tracker.lineage import BASE_FILES, content_digest
 
 MAX_ROUNDS = 8
 HEADER_PROBE_BYTES = 1024 * 1024
@@ -175,10 +177,27 @@ class DownloadedFiles:
 def adapter_policy(config: Config) -> AdapterPolicy:
     return AdapterPolicy(
         max_rank=config.serving.max_lora_rank,
-        base_models=frozenset([config.base_model_source, *config.registry.accepted_base_models]),
+        base_models=frozenset([config.base_model_source, config.serving.base_model_id,
+                               *config.registry.accepted_base_models]),
         target_modules=frozenset(config.registry.allowed_target_modules),
         tower_connector_lora=config.serving.enable_tower_connector_lora,
+        base_sha256=served_base_digest(config.base_model_source),
     )
+
+
+def served_base_digest(source: str) -> str | None:
+    """The served base's content digest (None: not a local folder), hashed again only when its files change."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return None
+    stats = tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                         for pattern in BASE_FILES for p in folder.glob(pattern) if p.is_file()))
+    return _digest_of(str(folder.resolve()), stats)
+
+
+@functools.lru_cache(maxsize=8)
+def _digest_of(folder: str, stats: tuple) -> str | None:  # stats: part of the cache key only
+    return content_digest(folder)
 
 
 class Promoter:
@@ -224,7 +243,8 @@ class Promoter:
     def validate(self, files: SourceFiles, source: registry.VersionSource) -> dict[str, str]:
         """Raise InvalidAdapter unless the version is a servable adapter; return its files' sha256."""
         check_files(files.sizes, source.checksums)
-        rank = check_adapter_config(parse_adapter_config(files.read(ADAPTER_CONFIG)), self.policy, source.base_model)
+        rank = check_adapter_config(parse_adapter_config(files.read(ADAPTER_CONFIG)), self.policy, source.base_model,
+                                    source.base_sha256)
         head = files.read_range(ADAPTER_WEIGHTS, 0, HEADER_PROBE_BYTES)  # one request for most headers
         length = safetensors_header_length(head[:8])
         header = head[8:8 + length] if len(head) >= 8 + length else files.read_range(ADAPTER_WEIGHTS, 8, length)
@@ -455,6 +475,8 @@ class Promoter:
                     registry.FOLDER_TAG: route.folder, registry.PROMOTED_AT_TAG: route.promoted_at,
                     registry.PROMOTED_BY_TAG: entry.actor or REGISTRY_ACTOR, registry.TRIGGER_TAG: entry.trigger,
                 })
+                if route.version not in new_refusals:  # an earlier refusal is over: the version is served now
+                    registry.delete_tag(self.mlflow, model, route.version, registry.REFUSED_TAG)
             moved = {r.version for r in [*old.aliases.values(), *new.aliases.values()]}
             for version in sorted(v for v in moved if served_aliases(old, v) != served_aliases(new, v)):
                 served_as, history = promotion_record(new, version, TAG_VALUE_LIMIT)

@@ -293,6 +293,8 @@ def test_guardrail_holds_for_every_trigger(stack, test_config, mlflow_client, re
     lower = test_config.model_copy(deep=True)
     lower.registry.guardrail_direction = "lower"
     assert sync_model(lower, model, trigger="reconciler").served["production"] == worse
+    # served now: the earlier refusal is no longer on the version (`promote list` would show it beside it)
+    assert "serving.refused" not in mlflow_client.get_model_version(model, str(worse)).tags
     mlflow_client.set_registered_model_alias(model, "production", str(good))
     assert sync_model(lower, model, trigger="reconciler").served["production"] == worse  # 0.6 loses now
 

@@ -104,6 +104,23 @@ def test_adapter_checks():
     assert copy_order(["adapter_config.json", "b.json", "adapter_model.safetensors"])[-1] == "adapter_config.json"
 
 
+def test_an_adapter_trained_on_another_machine_is_served_by_its_portable_base_and_same_weights():
+    """A run trained elsewhere (the offline GPU run) records that machine's base path in adapter_config.json
+    and the portable id plus content digest in its tags: the tag names the served base, the digests must match."""
+    served = AdapterPolicy(max_rank=32, base_models=frozenset({"/here/models/base", "visgym-qwen3vl"}),
+                           target_modules=frozenset({"q_proj", "v_proj"}), base_sha256="a" * 64)
+    elsewhere = {**CONFIG, "base_model_name_or_path": "/tmp/gpu-data/models/base"}
+    assert check_adapter_config(elsewhere, served, base_model_tag="visgym-qwen3vl", base_sha256="a" * 64) == 8
+    assert check_adapter_config(elsewhere, served, base_model_tag="visgym-qwen3vl") == 8  # no digest recorded
+    with pytest.raises(InvalidAdapter, match=r"other base weights than the served ones \(content sha256 bbbbbbbbbbbb"):
+        check_adapter_config(elsewhere, served, base_model_tag="visgym-qwen3vl", base_sha256="b" * 64)
+    with pytest.raises(InvalidAdapter, match="'another-base' is not the served base"):
+        check_adapter_config(elsewhere, served, base_model_tag="another-base")
+    with pytest.raises(InvalidAdapter, match="'meta-llama/Llama-3-8B' is not the served base"):  # an id is an id
+        check_adapter_config({**CONFIG, "base_model_name_or_path": "meta-llama/Llama-3-8B"}, served,
+                             base_model_tag="visgym-qwen3vl")
+
+
 def test_safetensors_header_checks():
     header = json.dumps({"a.lora_A.weight": {"shape": [8, 32], "dtype": "F32"},
                          "a.lora_B.weight": {"shape": [32, 8], "dtype": "BF16"},
