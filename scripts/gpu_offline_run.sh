@@ -2,10 +2,11 @@
 # The offline GPU run (issue 32): GRPO on a GPU machine that cannot reach MLflow, tracked offline, brought
 # home as one bundle. Run on that machine in the repo root, after `bash scripts/gpu_wheels.sh` made .whl/
 # here and the tree (with .whl/) was carried there:
-#   OUT=<folder that comes back> STEPS=200 BUDGET=420 [EVAL_EVERY=20 PROMPTS=8 BASE_TGZ=base.tgz] \
-#     [LOCAL='learning_rate: 3e-4, lr_schedule: constant'] [TAG=a] bash scripts/gpu_offline_run.sh
-# LOCAL: more training.local settings (YAML flow mapping body). TAG: a name for this run's scratch paths and
-# output files, so several runs share one GPU at once (each gets its own folders under /tmp).
+#   OUT=<folder that comes back> [STEPS=300 BUDGET=420 EVAL_EVERY=20 PROMPTS=8 BASE_TGZ=base.tgz] \
+#     [LOCAL='learning_rate: 5e-4, beta: 0.04'] [TAG=a] bash scripts/gpu_offline_run.sh
+# The defaults are the recipe that lifted the tiny base 19/64 -> 30/64 on an H200 (bench/README.md).
+# LOCAL: more training.local settings (YAML flow mapping body; LOCAL= for none). TAG: a name for this run's
+# scratch paths and output files, so several runs share one GPU at once (each gets its own folders under /tmp).
 # BASE_TGZ: a base.tgz of an earlier run, so the SFT base is not built again (and stays the one served).
 # It writes to $OUT (names end in -$TAG when set): gpu-run.tgz (the run: `rlops runs sync gpu-run.tgz` here), base.tgz (the SFT base the
 # adapter was trained on: serving here needs the same base), train.json (the trainer's result) and train.log.
@@ -15,10 +16,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:?set OUT to the folder that comes back}"
-STEPS="${STEPS:-200}"
+STEPS="${STEPS:-300}"
 BUDGET="${BUDGET:-420}"
 EVAL_EVERY="${EVAL_EVERY:-20}"
 PROMPTS="${PROMPTS:-8}"
+LOCAL="${LOCAL-learning_rate: 5e-4, beta: 0.04}"
 LOCAL="${LOCAL:+, $LOCAL}"
 TAG="${TAG:+-$TAG}"
 SITE=/tmp/rlops-site
