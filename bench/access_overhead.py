@@ -7,7 +7,7 @@ the same manifests from a real local S3 (bench/ingress_overhead.py's setup); the
 disagreement as in bench/ingress_overhead.py). Goal (issue 33): keys-on throughput >= 0.98x keys-off and
 +p50 < 0.5 ms at concurrency 1. figure = keys-on throughput (req/s), baseline = keys-off throughput.
 
-Usage: python bench/access_overhead.py [--requests 1200] [--latency-requests 300] [--rounds 12] [--keys 100]
+Usage: python bench/access_overhead.py [--requests 1200] [--latency-requests 600] [--rounds 12] [--keys 100]
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ window, `min_requests` 20): the time from the canary's first failed answer to th
 version gave (its failures end when the watcher's abort has reached the routes). Goal < 2x the window;
 baseline = the window.
 
-Usage: python bench/canary.py [--requests 1200] [--latency-requests 300] [--rounds 12] [--weight 10] [--window 20]
+Usage: python bench/canary.py [--requests 1200] [--latency-requests 600] [--rounds 12] [--weight 10] [--window 20]
        [--breach-only]
 """
 from __future__ import annotations

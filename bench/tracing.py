@@ -8,7 +8,7 @@ to it). Every request is a maze with its picture (what the writer stores by dige
 scores). Paired rounds alternate the sides. Goal (issue 30): >= 0.97x tracing-off throughput at the default
 rate, >= 0.9x at 100%. figure = traced throughput (req/s), baseline = tracing-off throughput.
 
-Usage: python bench/tracing.py [--requests 1200] [--latency-requests 300] [--rounds 12]
+Usage: python bench/tracing.py [--requests 1200] [--latency-requests 600] [--rounds 12]
 """
 from __future__ import annotations
 
