@@ -3,8 +3,9 @@
 Both are real `ray.serve.llm` apps in one local Ray Serve, on the same echo engine (bench/echo_engine.py, a
 fixture: the engine costs next to nothing and the ingress is what differs), reading the same adapter folder
 from a real local S3; the manifests are published with the routes stamp, as promotion publishes them.
-Load alternates between the two in paired rounds so that machine noise hits both alike, and latency is
-measured at concurrency 1 in interleaved pairs (one request to each side, back to back, the order alternating).
+Each side is deployed twice, once first and once second (an A/A run showed a deployment-order bias), and load
+alternates between the two in paired rounds so that machine noise hits both alike; latency is measured at
+concurrency 1 in interleaved pairs (one request to each side, back to back, the order alternating).
 With `--pin` the stack and Ray run on all cores but the last and the load generator on the last (on 2 cores
 this made the rounds noisier, bench/README.md). The result is refused (exit 2, nothing
 recorded) when the rounds disagree: paired ratios' interquartile range above 0.10, or their median more than 0.03
@@ -212,6 +213,21 @@ def paired_rounds(sides: dict[str, tuple[str, str]], rounds: int, requests: int,
     return throughput, latencies, {side: failures[side] + latency_failures[side] for side in sides}
 
 
+def counterbalanced(deployments: list[dict[str, tuple[str, str]]], rounds: int, requests: int, latency_requests: int,
+                    concurrency: int, **load_kwargs) -> tuple[dict, dict, dict]:
+    """`paired_rounds` over several deployments of the same sides (each deployed in another order), the
+    rounds and requests shared out and the results pooled: an A/A run of two identical apps showed the app
+    deployed first +0.5 ms slower at p50, a bias a single deployment order would pin on one side."""
+    pooled: tuple[dict, dict, dict] = ({}, {}, {})
+    for sides in deployments:
+        result = paired_rounds(sides, rounds // len(deployments), requests // len(deployments),
+                               latency_requests // len(deployments), concurrency, **load_kwargs)
+        for into, part in zip(pooled, result):
+            for side, value in part.items():
+                into[side] = into.get(side, 0 if isinstance(value, int) else []) + value
+    return pooled
+
+
 IQR_BOUND = 0.10  # paired ratios' interquartile range above this: the rounds disagree
 AGREE_BOUND = 0.03  # paired median vs ratio of medians
 
@@ -267,16 +283,21 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="rlops-bench-ingress-"))
     config = load_config(environ=bench_environ(root))
     with echo_serve(config, root, lambda c: seed_s3(c, args.models), pin=args.pin) as port:
-        alias_app, stock_app = build_apps(config)
-        serve.run(alias_app, name="alias", route_prefix="/alias")
-        serve.run(stock_app, name="stock", route_prefix="/stock")
         base = config.serving.base_model_id
-        sides = {"alias": (f"http://127.0.0.1:{port}/alias", f"{base}:{MODEL}"),
-                 "stock": (f"http://127.0.0.1:{port}/stock", f"{base}:{version_folder(MODEL, 1)}")}
-        for url, model in sides.values():  # warm-up: adapter download, handles, connections
-            asyncio.run(load(url, model, 50, args.concurrency))
-        rounds, latencies, failures = paired_rounds(sides, args.rounds, args.requests, args.latency_requests,
-                                                    args.concurrency)
+        deployments = []
+        for order in (("alias", "stock"), ("stock", "alias")):  # each side deployed first once
+            apps = dict(zip(("alias", "stock"), build_apps(config)))
+            for side in order:
+                serve.run(apps[side], name=f"{side}-{order[0]}-first", route_prefix=f"/{side}-{order[0]}-first")
+            deployments.append({
+                "alias": (f"http://127.0.0.1:{port}/alias-{order[0]}-first", f"{base}:{MODEL}"),
+                "stock": (f"http://127.0.0.1:{port}/stock-{order[0]}-first", f"{base}:{version_folder(MODEL, 1)}")})
+        for sides in deployments:
+            for url, model in sides.values():  # warm-up: adapter download, handles, connections
+                asyncio.run(load(url, model, 50, args.concurrency))
+        sides = deployments[0]
+        rounds, latencies, failures = counterbalanced(deployments, args.rounds, args.requests, args.latency_requests,
+                                                      args.concurrency)
         models_url = f"{sides['alias'][0]}/v1/models"
         entries = len(httpx.get(models_url, timeout=30).json()["data"])
         models_ms = []
