@@ -3,7 +3,7 @@ token limits, never reached) vs the same ingress with no keys, in one run.
 
 Both are real `ray.serve.llm` apps in one local Ray Serve on the echo engine (bench/echo_engine.py), reading
 the same manifests from a real local S3 (bench/ingress_overhead.py's setup); the same requests, with the same
-`Authorization` header, go to both in paired rounds (latency in interleaved pairs; pinned and refused on
+`Authorization` header, go to both in paired rounds (latency in interleaved pairs; `--pin` and the refusal on
 disagreement as in bench/ingress_overhead.py). Goal (issue 33): keys-on throughput >= 0.98x keys-off and
 +p50 < 0.5 ms at concurrency 1. figure = keys-on throughput (req/s), baseline = keys-off throughput.
 

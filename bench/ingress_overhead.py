@@ -7,7 +7,7 @@ Each side is deployed twice, once first and once second (an A/A run showed a dep
 alternates between the two in paired rounds so that machine noise hits both alike; latency is measured at
 concurrency 1 in interleaved pairs (one request to each side, back to back, the order alternating).
 With `--pin` the stack and Ray run on all cores but the last and the load generator on the last (on 2 cores
-this made the rounds noisier, bench/README.md). The result is refused (exit 2, nothing
+this made the rounds noisier, bench/README.md). The result is refused (exit 1, nothing
 recorded) when the rounds disagree: paired ratios' interquartile range above 0.10, or their median more than 0.03
 from the ratio of the medians. Goals (issue 38): alias throughput >= 0.97x stock at 10k `/v1/models` entries
 (3334 registered models x base name + 2 served aliases), +p50 <= 0.2 ms, and `/v1/models` < 50 ms.
@@ -145,6 +145,11 @@ def build_apps(config, engine_env: dict[str, str] | None = None):
     return build_openai_app(alias_args), build_openai_app(stock_args)
 
 
+def chat_body(model: str, n: int, users: bool, messages: list | None) -> dict:
+    """The n-th bench request; `users`: each names another OpenAI `user` (what a canary's sticky pick hashes)."""
+    return {"model": model, "messages": messages or PROMPT, "max_tokens": 4, **({"user": f"user-{n}"} if users else {})}
+
+
 async def load(url: str, model: str, requests: int, concurrency: int, *, users: bool = False,
                headers: dict[str, str] | None = None, messages: list | None = None) -> tuple[float, list[float], int]:
     """(requests/s, latencies in ms, non-200 count) for `requests` chat calls from `concurrency` clients;
@@ -155,14 +160,13 @@ async def load(url: str, model: str, requests: int, concurrency: int, *, users: 
     queue: asyncio.Queue = asyncio.Queue()
     for n in range(requests):
         queue.put_nowait(n)
-    body = {"model": model, "messages": messages or PROMPT, "max_tokens": 4}
 
     async def client(http: httpx.AsyncClient) -> None:
         nonlocal failures
         while not queue.empty():
             n = queue.get_nowait()
             started = time.perf_counter()
-            r = await http.post(f"{url}/v1/chat/completions", json={**body, "user": f"user-{n}"} if users else body)
+            r = await http.post(f"{url}/v1/chat/completions", json=chat_body(model, n, users, messages))
             latencies.append((time.perf_counter() - started) * 1000)
             failures += r.status_code != 200
 
@@ -185,11 +189,10 @@ async def interleaved_latency(sides: dict[str, tuple[str, str]], requests: int, 
     order = list(sides)
     try:
         for n in range(requests):
-            body = {"model": "", "messages": messages or PROMPT, "max_tokens": 4, **({"user": f"user-{n}"} if users else {})}
             for side in order[n % len(order):] + order[:n % len(order)]:
                 url, model = sides[side]
                 started = time.perf_counter()
-                r = await clients[side].post(f"{url}/v1/chat/completions", json={**body, "model": model})
+                r = await clients[side].post(f"{url}/v1/chat/completions", json=chat_body(model, n, users, messages))
                 latencies[side].append((time.perf_counter() - started) * 1000)
                 failures[side] += r.status_code != 200
     finally:
