@@ -56,7 +56,7 @@ from rlops.layout import (
     utc_now,
     version_folder,
 )
-from tracker.lineage import BASE_FILES, content_digest
+from tracker.lineage import base_files, content_digest
 
 MAX_ROUNDS = 8
 HEADER_PROBE_BYTES = 1024 * 1024
@@ -190,8 +190,7 @@ def served_base_digest(source: str) -> str | None:
     folder = Path(source)
     if not folder.is_dir():
         return None
-    stats = tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
-                         for pattern in BASE_FILES for p in folder.glob(pattern) if p.is_file()))
+    stats = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in base_files(folder))
     return _digest_of(str(folder.resolve()), stats)
 
 

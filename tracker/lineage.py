@@ -34,13 +34,18 @@ def portable_base_id(source: str | Path, served: Mapping[str, str]) -> str:
     return Path(text).name if Path(text).is_dir() else text
 
 
+def base_files(folder: Path) -> list[Path]:
+    """The files that make a base's identity (BASE_FILES), sorted."""
+    return sorted({p for pattern in BASE_FILES for p in folder.glob(pattern) if p.is_file()})
+
+
 def content_digest(folder: str | Path) -> str | None:
     """sha256 over the names and sha256 of the base's config and weight files; None when `source` is not
     a local folder (an HF id is resolved by the hub, which pins its own revision)."""
     folder = Path(folder)
     if not folder.is_dir():
         return None
-    files = sorted({p for pattern in BASE_FILES for p in folder.glob(pattern) if p.is_file()})
+    files = base_files(folder)
     if not files:
         return None
     digest = hashlib.sha256()
