@@ -7,6 +7,7 @@ from typing import Iterable, Mapping, Protocol
 
 from rlops.layout import (
     CANARY_SUFFIX,
+    SHADOW_SUFFIX,
     AliasRoute,
     CanaryRoute,
     REGISTRY_ACTOR,
@@ -15,24 +16,29 @@ from rlops.layout import (
     Refusal,
     RefusalKind,
     RoutesManifest,
+    ShadowRoute,
     canary_alias,
+    shadow_alias,
     version_folder,
 )
 
 
 class Intent(dict):
-    """Registry alias -> version for the served aliases and their canaries (keys `<alias>-canary`), plus
-    `weights`: alias -> its canary's percent (the rlops.canary_weight.<alias> tags). Equal only with the
-    same weights, so a reweighted canary is a change."""
+    """Registry alias -> version for the served aliases, their canaries (keys `<alias>-canary`) and shadows
+    (keys `<alias>-shadow`), plus `weights`: alias -> its canary's percent (the rlops.canary_weight.<alias>
+    tags) and `percents`: alias -> the share of its requests copied to its shadow (rlops.shadow_percent.<alias>).
+    Equal only with the same weights and percents, so a reweighted canary or shadow is a change."""
 
     def __init__(self, targets: Mapping[str, int] = (), weights: Mapping[str, float] | None = None,
-                 notes: Mapping[str, MoveNote] | None = None):
+                 notes: Mapping[str, MoveNote] | None = None, percents: Mapping[str, float] | None = None):
         super().__init__(targets)
         self.weights = dict(weights or {})
+        self.percents = dict(percents or {})
         self.notes = dict(notes or {})  # key -> who moves it (the rlops.move.<key> tags); not part of equality
 
     def __eq__(self, other) -> bool:
-        return dict.__eq__(self, other) and self.weights == getattr(other, "weights", {})
+        return (dict.__eq__(self, other) and self.weights == getattr(other, "weights", {})
+                and self.percents == getattr(other, "percents", {}))
 
     def __ne__(self, other) -> bool:
         return not self == other
@@ -52,17 +58,32 @@ def canary_targets(intent: Mapping[str, int]) -> dict[str, tuple[int, float]]:
     return out
 
 
+def shadow_targets(intent: Mapping[str, int]) -> dict[str, tuple[int, float]]:
+    """alias -> (shadow version, percent) for the shadows a manifest can serve: percent set, the alias intended,
+    and a version other than the alias's own (shadowing the answering version compares nothing)."""
+    percents = getattr(intent, "percents", {})
+    out = {}
+    for key, version in intent.items():
+        alias = key[: -len(SHADOW_SUFFIX)] if key.endswith(SHADOW_SUFFIX) else None
+        if alias and alias in percents and alias in intent and intent[alias] != version:
+            out[alias] = (version, percents[alias])
+    return out
+
+
 def served_targets(manifest: RoutesManifest) -> dict[str, int]:
-    """What the manifest serves, keyed as the intent is (canaries under `<alias>-canary`)."""
+    """What the manifest serves, keyed as the intent is (canaries under `<alias>-canary`, shadows under
+    `<alias>-shadow`)."""
     return {**{a: r.version for a, r in manifest.aliases.items()},
-            **{canary_alias(a): c.version for a, c in manifest.canaries.items()}}
+            **{canary_alias(a): c.version for a, c in manifest.canaries.items()},
+            **{shadow_alias(a): c.version for a, c in manifest.shadows.items()}}
 
 
 def effective_intent(intent: Mapping[str, int]) -> dict[str, int]:
-    """The intent less canary aliases no manifest would serve (see canary_targets)."""
-    canaries = canary_targets(intent)
+    """The intent less canary and shadow aliases no manifest would serve (see canary_targets, shadow_targets)."""
+    canaries, shadows = canary_targets(intent), shadow_targets(intent)
     return {k: v for k, v in intent.items()
-            if not k.endswith(CANARY_SUFFIX) or k[: -len(CANARY_SUFFIX)] in canaries}
+            if (not k.endswith(CANARY_SUFFIX) or k[: -len(CANARY_SUFFIX)] in canaries)
+            and (not k.endswith(SHADOW_SUFFIX) or k[: -len(SHADOW_SUFFIX)] in shadows)}
 
 
 def next_manifest(
@@ -118,7 +139,7 @@ def next_manifest(
         return route.model_copy(update={"promoted_at": now, "trigger": trigger})
 
     for alias, version in sorted(intent.items()):
-        if alias.endswith(CANARY_SUFFIX):
+        if alias.endswith((CANARY_SUFFIX, SHADOW_SUFFIX)):
             continue
         current = old.aliases.get(alias)
         route = target(alias, version, current)
@@ -147,13 +168,32 @@ def next_manifest(
         if alias not in canaries and (alias not in aliases or aliases[alias].version != gone.version):
             history.append(HistoryEntry(alias=alias, version=gone.version, event="canary_aborted", weight=0,
                                         from_version=gone.version, **said(canary_alias(alias), None)))
+    shadows: dict[str, ShadowRoute] = {}
+    for alias, (version, percent) in sorted(shadow_targets(intent).items()):
+        current = old.shadows.get(alias)
+        baseline = aliases.get(alias)
+        route = target(shadow_alias(alias), version, current)
+        if route is None or baseline is None or baseline.version == route.version:
+            continue
+        shadow = ShadowRoute(**{**route.model_dump(), "percent": percent}) if route is not current else current
+        if route is current and current.percent != percent:
+            shadow = current.model_copy(update={"percent": percent})
+        shadows[alias] = shadow
+        if shadow is not current:
+            history.append(HistoryEntry(alias=alias, version=version, event="shadow", weight=percent,
+                                        from_version=baseline.version, **said(shadow_alias(alias), version)))
+    for alias, gone in sorted(old.shadows.items()):
+        if alias not in shadows:
+            history.append(HistoryEntry(alias=alias, version=gone.version, event="shadow_stopped", weight=0,
+                                        from_version=gone.version, **said(shadow_alias(alias), None)))
     owner = owner or old.owner
-    if aliases == old.aliases and canaries == old.canaries and refused == old.refused and owner == old.owner:
+    if (aliases == old.aliases and canaries == old.canaries and shadows == old.shadows and refused == old.refused
+            and owner == old.owner):
         return old
-    served = {r.version for r in [*aliases.values(), *canaries.values()]}
+    served = {r.version for r in [*aliases.values(), *canaries.values(), *shadows.values()]}
     return RoutesManifest(
         model=old.model, owner=owner, generation=old.generation + 1, updated_at=now, aliases=aliases,
-        canaries=canaries, history=history[-history_limit:], refused=refused,
+        canaries=canaries, shadows=shadows, history=history[-history_limit:], refused=refused,
         collected=[c for c in old.collected if c.version not in served],
     )
 

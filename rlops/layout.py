@@ -9,6 +9,9 @@
   `<alias>-canary` names the candidate and the registered-model tag `rlops.canary_weight.<alias>` its share in
   percent; the manifest publishes it as `canaries[<alias>]`. Which version a request gets is a deterministic
   hash of the client's identity (`canary_bucket`), so one client stays on one version for a given canary.
+- Shadows: a served alias may copy a share of its requests to a candidate whose answers are never returned.
+  Registry intent: the alias `<alias>-shadow` names the candidate and the registered-model tag
+  `rlops.shadow_percent.<alias>` the share in percent; the manifest publishes it as `shadows[<alias>]`.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 ALIAS_RE = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -49,6 +52,8 @@ ALLOWED_SUFFIXES = (".safetensors", ".json")
 SCHEMA_VERSION = 2  # 2: canaries, history entries with from/weight/actor/reason, previews (1 is still read)
 CANARY_SUFFIX = "-canary"  # the registry alias `<alias>-canary` names the alias's canary version
 CANARY_WEIGHT_TAG = "rlops.canary_weight."  # + alias, on the registered model: the canary's share in percent
+SHADOW_SUFFIX = "-shadow"  # the registry alias `<alias>-shadow` names the alias's shadow version
+SHADOW_PERCENT_TAG = "rlops.shadow_percent."  # + alias, on the registered model: the share of requests copied
 MOVE_NOTE_TAG = "rlops.move."  # + alias or <alias>-canary, on the registered model: who moves it (a MoveNote)
 REGISTRY_ACTOR = "registry"  # the author of a move that carries no MoveNote (the MLflow UI, a plain client)
 
@@ -219,6 +224,12 @@ class CanaryRoute(AliasRoute):
     weight: float = Field(gt=0, lt=100)
 
 
+class ShadowRoute(AliasRoute):
+    """A candidate that gets a copy of `percent` percent of an alias's requests; its answers are never returned."""
+
+    percent: float = Field(gt=0, le=100)
+
+
 class MoveNote(_Strict):
     """Who moves an alias (or ends a canary: `version` None), written on the registered model before the
     registry changes, so that whichever publisher sees the change (the mover's own sync, the webhook, the
@@ -240,7 +251,7 @@ class HistoryEntry(_Strict):
     version: int = Field(ge=1)
     at: str
     trigger: str
-    event: Literal["move", "canary", "canary_promoted", "canary_aborted", "preview"] = "move"
+    event: Literal["move", "canary", "canary_promoted", "canary_aborted", "preview", "shadow", "shadow_stopped"] = "move"
     from_version: int | None = None
     weight: float | None = None
     actor: str | None = None
@@ -275,6 +286,7 @@ class RoutesManifest(_Strict):
     updated_at: str = Field(default_factory=utc_now)
     aliases: dict[str, AliasRoute] = Field(default_factory=dict)
     canaries: dict[str, CanaryRoute] = Field(default_factory=dict)  # alias -> its canary (schema 2)
+    shadows: dict[str, ShadowRoute] = Field(default_factory=dict)  # alias -> its shadow (schema 2)
     history: list[HistoryEntry] = Field(default_factory=list)
     refused: dict[str, Refusal] = Field(default_factory=dict)
     collected: list[Collected] = Field(default_factory=list)
@@ -292,7 +304,12 @@ class RoutesManifest(_Strict):
             baseline = self.aliases.get(alias)
             if baseline is None or baseline.version == canary.version:
                 raise ValueError(f"canary of {alias!r}: needs the alias set to another version")
-        for alias, route in [*self.aliases.items(), *((f"{a}{CANARY_SUFFIX}", c) for a, c in self.canaries.items())]:
+        for alias, shadow in self.shadows.items():
+            baseline = self.aliases.get(alias)
+            if baseline is None or baseline.version == shadow.version:
+                raise ValueError(f"shadow of {alias!r}: needs the alias set to another version")
+        for alias, route in [*self.aliases.items(), *((f"{a}{CANARY_SUFFIX}", c) for a, c in self.canaries.items()),
+                             *((f"{a}{SHADOW_SUFFIX}", c) for a, c in self.shadows.items())]:
             if route.folder != version_folder(self.model, route.version):
                 raise ValueError(f"alias {alias!r}: folder is not {self.model}'s folder of v{route.version}")
             if not route.files or not all(is_allowed_adapter_file(n) and SHA256_RE.match(d) for n, d in route.files.items()):
@@ -301,18 +318,33 @@ class RoutesManifest(_Strict):
                 raise ValueError(f"alias {alias!r}: v{route.version} is marked garbage-collected")
         return self
 
+    @model_serializer(mode="wrap")
+    def _without_empty_shadows(self, handler):
+        # readers of the release before know no `shadows` (their schema forbids unknown keys): a manifest
+        # without a shadow stays readable by them
+        data = handler(self)
+        if not self.shadows:
+            data.pop("shadows", None)
+        return data
+
     def collected_versions(self) -> set[int]:
         return {c.version for c in self.collected}
 
     def published_versions(self) -> set[int]:
         """Versions a client may address as `@v<N>`: current targets and recorded history, less collected ones."""
         history = {h.version for h in self.history} - self.collected_versions()
-        return {r.version for r in [*self.aliases.values(), *self.canaries.values()]} | history
+        targets = [*self.aliases.values(), *self.canaries.values(), *self.shadows.values()]
+        return {r.version for r in targets} | history
 
 
 def canary_alias(alias: str) -> str:
     """The registry alias that names `alias`'s canary version."""
     return f"{alias}{CANARY_SUFFIX}"
+
+
+def shadow_alias(alias: str) -> str:
+    """The registry alias that names `alias`'s shadow version."""
+    return f"{alias}{SHADOW_SUFFIX}"
 
 
 def canary_bucket(model: str, alias: str, canary_version: int, client_key: str) -> float:
