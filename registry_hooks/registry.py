@@ -11,8 +11,9 @@ from pydantic import ValidationError
 from registry_hooks.adapter import InvalidAdapter
 from registry_hooks.plan import Intent
 from rlops.config import Config
-from rlops.layout import (CANARY_WEIGHT_TAG, MOVE_NOTE_TAG, TAG_BASE_MODEL, TAG_BASE_MODEL_SHA256, TAG_EVAL_SET,
-                          TAG_METRIC_KEY, TAG_METRIC_VALUE, TAG_SHA256, MoveNote, S3Location, canary_alias, parse_s3_uri,
+from rlops.layout import (CANARY_WEIGHT_TAG, MOVE_NOTE_TAG, SHADOW_PERCENT_TAG, TAG_BASE_MODEL, TAG_BASE_MODEL_SHA256,
+                          TAG_EVAL_SET, TAG_METRIC_KEY, TAG_METRIC_VALUE, TAG_SHA256, MoveNote, S3Location,
+                          canary_alias, parse_s3_uri, shadow_alias,
                           version_model_id)
 
 MOVE_REASON_LIMIT = 2000
@@ -75,11 +76,12 @@ def read_intent(client: MlflowClient, model: str, served_aliases: list[str]) -> 
 
 def intent_of(registered, served_aliases: list[str]) -> Intent:
     """Served alias -> version of one RegisteredModel (as `get_` or `search_registered_models` return it),
-    with each served alias's canary (`<alias>-canary` alias) and its weight tag.
+    with each served alias's canary (`<alias>-canary` alias) and its weight tag, and its shadow
+    (`<alias>-shadow` alias) and its percent tag.
 
     A legacy stage "Production" counts as the `production` alias only when that alias is not set.
     """
-    keys = {*served_aliases, *(canary_alias(a) for a in served_aliases)}
+    keys = {*served_aliases, *(canary_alias(a) for a in served_aliases), *(shadow_alias(a) for a in served_aliases)}
     intent = {alias: int(v) for alias, v in registered.aliases.items() if alias in keys}
     if LEGACY_PRODUCTION_ALIAS in served_aliases and LEGACY_PRODUCTION_ALIAS not in intent:
         staged = [int(mv.version) for mv in registered.latest_versions or [] if mv.current_stage == LEGACY_PRODUCTION_STAGE]
@@ -87,8 +89,9 @@ def intent_of(registered, served_aliases: list[str]) -> Intent:
             intent[LEGACY_PRODUCTION_ALIAS] = max(staged)
     tags = registered.tags or {}
     weights = {a: w for a in served_aliases if (w := canary_weight(tags.get(CANARY_WEIGHT_TAG + a))) is not None}
+    percents = {a: p for a in served_aliases if (p := shadow_percent(tags.get(SHADOW_PERCENT_TAG + a))) is not None}
     notes = {key: note for key in keys if (note := move_note(tags.get(MOVE_NOTE_TAG + key))) is not None}
-    return Intent(intent, weights, notes)
+    return Intent(intent, weights, notes, percents)
 
 
 def move_note(value: str | None) -> MoveNote | None:
@@ -118,11 +121,21 @@ def forget_move(client: MlflowClient, model: str, key: str, move_id: str) -> Non
 
 def canary_weight(value: str | None) -> float | None:
     """A weight tag's percent, or None when unset or not a number strictly between 0 and 100 (not served)."""
+    weight = _percent(value)
+    return weight if weight is not None and weight < 100 else None
+
+
+def shadow_percent(value: str | None) -> float | None:
+    """A shadow percent tag's value, or None when unset or not a number in (0, 100] (not served)."""
+    return _percent(value)
+
+
+def _percent(value: str | None) -> float | None:
     try:
-        weight = float(value) if value is not None else None
+        percent = float(value) if value is not None else None
     except ValueError:
         return None
-    return weight if weight is not None and 0 < weight < 100 else None
+    return percent if percent is not None and 0 < percent <= 100 else None
 
 
 def name_filters(models: list[str]) -> list[str]:
@@ -260,10 +273,26 @@ def set_canary(client: MlflowClient, model: str, alias: str, version: int, weigh
     client.set_registered_model_alias(model, canary_alias(alias), str(version))
 
 
+def set_shadow(client: MlflowClient, model: str, alias: str, version: int, percent: float) -> None:
+    """The shadow intent: percent tag first, so the alias never names a shadow without its share."""
+    client.set_registered_model_tag(model, SHADOW_PERCENT_TAG + alias, f"{percent:g}")
+    client.set_registered_model_alias(model, shadow_alias(alias), str(version))
+
+
+def clear_shadow(client: MlflowClient, model: str, alias: str) -> None:
+    """Drop the shadow intent of `alias` (alias first: a percent alone names nothing); absent parts are fine."""
+    _drop_all(model, ((client.delete_registered_model_alias, shadow_alias(alias)),
+                              (client.delete_registered_model_tag, SHADOW_PERCENT_TAG + alias)))
+
+
 def clear_canary(client: MlflowClient, model: str, alias: str) -> None:
     """Drop the canary intent of `alias` (alias first: a weight alone names nothing); absent parts are fine."""
-    for drop, name in ((client.delete_registered_model_alias, canary_alias(alias)),
-                       (client.delete_registered_model_tag, CANARY_WEIGHT_TAG + alias)):
+    _drop_all(model, ((client.delete_registered_model_alias, canary_alias(alias)),
+                              (client.delete_registered_model_tag, CANARY_WEIGHT_TAG + alias)))
+
+
+def _drop_all(model: str, drops) -> None:
+    for drop, name in drops:
         try:
             drop(model, name)
         except MlflowException as exc:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
 
 from registry_hooks.plan import Intent, effective_intent, next_manifest, served_targets, shadow_targets
+from registry_hooks.registry import intent_of
 from rlops.layout import AliasRoute, MoveNote, RoutesManifest, ShadowRoute, shadow_alias
 
 
@@ -75,3 +77,13 @@ def test_a_manifest_without_a_shadow_is_written_as_the_release_before_reads_it()
 def test_intents_differ_by_shadow_percent():
     assert Intent({"p": 1}, percents={"p": 10}) != Intent({"p": 1}, percents={"p": 20})
     assert Intent({"p": 1}, percents={"p": 10}) == Intent({"p": 1}, percents={"p": 10})
+
+
+def test_the_registry_intent_reads_a_shadow_alias_and_its_percent():
+    registered = SimpleNamespace(aliases={"production": "1", "production-shadow": "2", "staging-shadow": "3"},
+                                 tags={"rlops.shadow_percent.production": "20", "rlops.shadow_percent.staging": "0"},
+                                 latest_versions=[])
+    intent = intent_of(registered, ["production", "staging"])
+    assert dict(intent) == {"production": 1, "production-shadow": 2, "staging-shadow": 3}
+    assert intent.percents == {"production": 20.0}  # 0 is no share: not served
+    assert shadow_targets(intent) == {"production": (2, 20.0)}
