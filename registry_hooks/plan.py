@@ -298,7 +298,7 @@ class Drift:
     intended: int | None
     served: int | None
     refused_reason: str | None = None
-    intended_weight: float | None = None  # canaries: the registry's and the manifest's weight
+    intended_weight: float | None = None  # canaries and shadows: the registry's and the manifest's share
     served_weight: float | None = None
 
     def describe(self) -> str:
@@ -312,11 +312,14 @@ class Drift:
 
 
 def drift(intent: Intent, manifest: RoutesManifest) -> list[Drift]:
-    """Aliases (and canaries, as `<alias>-canary`) where the registry's intent differs from what is served."""
+    """Aliases (and canaries and shadows, as `<alias>-canary` / `<alias>-shadow`) where the registry's intent
+    differs from what is served."""
     out = []
     wanted, served = effective_intent(intent), served_targets(manifest)
-    weights = {canary_alias(a): w for a, (_, w) in canary_targets(intent).items()}
-    served_weights = {canary_alias(a): c.weight for a, c in manifest.canaries.items()}
+    weights = {**{canary_alias(a): w for a, (_, w) in canary_targets(intent).items()},
+               **{shadow_alias(a): p for a, (_, p) in shadow_targets(intent).items()}}
+    served_weights = {**{canary_alias(a): c.weight for a, c in manifest.canaries.items()},
+                      **{shadow_alias(a): s.percent for a, s in manifest.shadows.items()}}
     for alias in sorted(set(wanted) | set(served)):
         want, have = wanted.get(alias), served.get(alias)
         if want != have or weights.get(alias) != served_weights.get(alias):

@@ -96,6 +96,7 @@ class SyncReport:
     changed: bool = False
     served: dict[str, int] = field(default_factory=dict)
     canaries: dict[str, dict] = field(default_factory=dict)  # alias -> {"version", "weight"}
+    shadows: dict[str, dict] = field(default_factory=dict)  # alias -> {"version", "percent"}
     promoted: dict[str, int] = field(default_factory=dict)
     refused: dict[str, dict] = field(default_factory=dict)
     removed: list[str] = field(default_factory=list)
@@ -458,6 +459,7 @@ class Promoter:
         report.generation = new.generation
         report.served = {a: r.version for a, r in new.aliases.items()}
         report.canaries = {a: {"version": c.version, "weight": c.weight} for a, c in new.canaries.items()}
+        report.shadows = {a: {"version": c.version, "percent": c.percent} for a, c in new.shadows.items()}
         report.promoted = {a: r.version for a, r in newly_promoted(old, new).items()}
         report.refused = {a: {"version": r.version, "reason": r.reason} for a, r in new.refused.items()}
         report.removed = sorted(set(old.aliases) - set(intent))

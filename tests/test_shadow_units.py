@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from registry_hooks.plan import Intent, effective_intent, next_manifest, served_targets, shadow_targets
+from registry_hooks.plan import Intent, drift, effective_intent, next_manifest, served_targets, shadow_targets
 from registry_hooks.registry import intent_of
 from rlops.layout import AliasRoute, MoveNote, RoutesManifest, ShadowRoute, shadow_alias
 
@@ -87,3 +87,13 @@ def test_the_registry_intent_reads_a_shadow_alias_and_its_percent():
     assert dict(intent) == {"production": 1, "production-shadow": 2, "staging-shadow": 3}
     assert intent.percents == {"production": 20.0}  # 0 is no share: not served
     assert shadow_targets(intent) == {"production": (2, 20.0)}
+
+
+def test_a_shadow_the_registry_wants_but_serving_lacks_is_drift():
+    m = plan(RoutesManifest(model="m"), Intent({"production": 1}), "t1")
+    wanted = Intent({"production": 1, "production-shadow": 2}, percents={"production": 20})
+    assert [d.describe() for d in drift(wanted, m)] == ["production-shadow: registry v2 at 20%, served nothing at 0%"]
+    m = plan(m, wanted, "t2")
+    assert drift(wanted, m) == []
+    assert [d.describe() for d in drift(Intent({"production": 1}, percents={}), m)] == [
+        "production-shadow: registry unset at 0%, served v2 at 20%"]
