@@ -17,8 +17,8 @@ from registry_hooks.plan import drift, parse_time, referenced_folders, rollback_
 from registry_hooks.reconcile import ManifestCache, ModelState, read_states
 from registry_hooks.sync import Forbidden, NotFound, Promoter, PromotionError, Refused, SyncConflict, SyncReport
 from rlops.config import Config
-from rlops.layout import (TAG_FORCE, TAG_METRIC_KEY, TAG_METRIC_VALUE, Collected, MoveNote, RoutesManifest,
-                          canary_alias, is_valid_alias, is_valid_name, utc_now, version_folder)
+from rlops.layout import (CANARY_SUFFIX, TAG_FORCE, TAG_METRIC_KEY, TAG_METRIC_VALUE, Collected, MoveNote, RoutesManifest,
+                          canary_alias, is_valid_alias, is_valid_name, shadow_alias, utc_now, version_folder)
 
 RECONCILER_STATUS = "reconciler"
 log = logging.getLogger(__name__)
@@ -151,9 +151,10 @@ def promote(
 
 def _move_alias(promoter: Promoter, model: str, alias: str, version: int, *, trigger: str, actor: str | None,
                 dry_run: bool, override: str | None = None, reason: str | None = None,
-                set_intent: Callable[[], None] | None = None) -> SyncReport:
+                set_intent: Callable[[], None] | None = None, key: str | None = None) -> SyncReport:
     """`override`: why this move passes the guardrail, recorded as the version's rlops.force tag (who, when).
-    `set_intent`: how the registry is changed once the folder is ready (default: move `alias` to `version`)."""
+    `set_intent`: how the registry is changed once the folder is ready (default: move `alias` to `version`),
+    and `key` the registry alias it moves (`<alias>-canary`, `<alias>-shadow`; default `alias`)."""
     manifest, _ = storage.read_manifest(promoter.dest, promoter.location, model)
     promoter.check_owner(manifest)
     collecting = promoter.collecting_reason(manifest, version)
@@ -167,7 +168,7 @@ def _move_alias(promoter: Promoter, model: str, alias: str, version: int, *, tri
         return SyncReport(model=model, trigger=trigger, generation=manifest.generation,
                           served={a: r.version for a, r in manifest.aliases.items()}, promoted={alias: version},
                           copy_mode=promoter.last_mode, warnings=["dry run: nothing was copied or changed"])
-    key = alias if set_intent is None else canary_alias(alias)  # set_intent is the canary's
+    key = key or alias
     # The note needs the MLflow permission the move needs: a user who may not move the alias is refused here,
     # before anything is copied or tagged.
     note = _note_move(promoter, model, key, version, trigger=trigger, actor=actor, reason=reason)
@@ -189,10 +190,13 @@ def _move_alias(promoter: Promoter, model: str, alias: str, version: int, *, tri
         raise
     report = promoter.sync(model, trigger=trigger)
     _forget_move(promoter, model, key, note, report)
-    served = report.canaries.get(alias, {}).get("version") if set_intent else report.served.get(alias)
+    beside = {canary_alias(alias): ("canary", report.canaries), shadow_alias(alias): ("shadow", report.shadows)}
+    kind, published = beside.get(key, (None, None))
+    served = (published.get(alias) or {}).get("version") if published is not None else report.served.get(alias)
     if served != version:
         report.warnings.append(f"{alias} now serves v{report.served.get(alias)}"
-                               + (f" with canary v{served}" if served else "") + ": the registry was changed meanwhile")
+                               + (f" with {kind} v{served}" if kind and served else "")
+                               + ": the registry was changed meanwhile")
     return report
 
 
@@ -250,13 +254,9 @@ def canary(config: Config, model: str, *, alias: str | None = None, version: int
         if candidate is None:
             raise NotFound(f"{model}@{alias} has no canary to {'promote' if promote_it else 'abort'}")
         if abort:
-            if dry_run:
-                return SyncReport(model=model, trigger=trigger, warnings=[f"dry run: would drop canary v{candidate}"])
-            note = _note_move(promoter, model, canary_alias(alias), None, trigger=trigger, actor=actor, reason=reason)
-            registry.clear_canary(promoter.mlflow, model, alias)
-            report = promoter.sync(model, trigger=trigger)
-            _forget_move(promoter, model, canary_alias(alias), note, report)
-            return report
+            return _drop_intent(promoter, model, canary_alias(alias), candidate,
+                                lambda: registry.clear_canary(promoter.mlflow, model, alias),
+                                trigger=trigger, actor=actor, reason=reason, dry_run=dry_run)
         report = promote(config, model, to_alias=alias, version=candidate, force=force, trigger=trigger, actor=actor,
                          reason=reason, dry_run=dry_run, progress=progress, gate=gate)
         if not dry_run:
@@ -275,8 +275,58 @@ def canary(config: Config, model: str, *, alias: str | None = None, version: int
     figures = gate and live_gate(promoter, model, alias, version, gate, force=force, trigger=trigger, actor=actor,
                                  reason=reason)
     report = _move_alias(promoter, model, alias, version, trigger=trigger, actor=actor, reason=reason, dry_run=dry_run,
-                         set_intent=lambda: registry.set_canary(promoter.mlflow, model, alias, version, weight))
+                         set_intent=lambda: registry.set_canary(promoter.mlflow, model, alias, version, weight),
+                         key=canary_alias(alias))
     report.verify = figures or None
+    return report
+
+
+def shadow(config: Config, model: str, *, alias: str | None = None, version: int | None = None,
+           percent: float | None = None, stop: bool = False, trigger: str = "cli", actor: str | None = None,
+           reason: str | None = None, dry_run: bool = False,
+           progress: Callable[[int], None] | None = None) -> SyncReport:
+    """Start (or change the share of) a shadow of `alias`: a copy of `percent` percent of its requests goes to
+    `version`, whose answers are never returned (its folder is copied and verified first, then the registry
+    gets the `<alias>-shadow` alias and the percent tag, then a sync publishes it). `stop`: the shadow intent
+    goes. A shadow answers no client, so the eval guardrail does not apply to it."""
+    promoter = Promoter(config, progress=progress)
+    promoter.check_model(model)
+    alias = alias or config.registry.default_alias
+    _served_alias(config, alias)
+    if (version is not None) == stop:
+        raise UsageProblem("give exactly one of --version N (with --percent P) or --stop")
+    _lookup(registry.require_model, promoter.mlflow, model)
+    intent = registry.read_intent(promoter.mlflow, model, config.registry.served_aliases) or {}
+    key = shadow_alias(alias)
+    if stop:
+        if intent.get(key) is None:
+            raise NotFound(f"{model}@{alias} has no shadow to stop")
+        return _drop_intent(promoter, model, key, intent[key],
+                            lambda: registry.clear_shadow(promoter.mlflow, model, alias),
+                            trigger=trigger, actor=actor, reason=reason, dry_run=dry_run)
+    if percent is None or not 0 < percent <= 100:
+        raise UsageProblem("--percent must be a share of the alias's requests above 0 and at most 100")
+    assert version is not None
+    _lookup(registry.version_source, promoter.mlflow, model, version)
+    if intent.get(alias) is None:
+        raise NotFound(f"{model}@{alias} is not set: a shadow copies an alias's requests, so the alias needs a target")
+    if intent[alias] == version:
+        raise UsageProblem(f"{model}@{alias} already serves v{version}: a shadow compares another version with it")
+    return _move_alias(promoter, model, alias, version, trigger=trigger, actor=actor, reason=reason, dry_run=dry_run,
+                       set_intent=lambda: registry.set_shadow(promoter.mlflow, model, alias, version, percent), key=key)
+
+
+def _drop_intent(promoter: Promoter, model: str, key: str, candidate: int, clear: Callable[[], None], *,
+                 trigger: str, actor: str | None, reason: str | None, dry_run: bool) -> SyncReport:
+    """End the canary or shadow that registry alias `key` names (`clear` drops its intent), credited to
+    `actor`, then sync."""
+    if dry_run:
+        what = "canary" if key.endswith(CANARY_SUFFIX) else "shadow"
+        return SyncReport(model=model, trigger=trigger, warnings=[f"dry run: would drop {what} v{candidate}"])
+    note = _note_move(promoter, model, key, None, trigger=trigger, actor=actor, reason=reason)
+    clear()
+    report = promoter.sync(model, trigger=trigger)
+    _forget_move(promoter, model, key, note, report)
     return report
 
 
