@@ -28,6 +28,7 @@ from rlops.layout import (
     Resolution,
     RoutesManifest,
     S3Location,
+    ShadowRoute,
     model_from_routes_key,
     parse_model_name,
     parse_s3_uri,
@@ -68,6 +69,13 @@ class RoutesTable:
     def resolve_ref(self, ref: ModelRef, client_key: str | None = None, *, canary: bool = True) -> Resolution:
         return resolve_model_name(ref, self.base_model_id, self.manifests, self.served_aliases, client_key, canary)
 
+    def shadow(self, resolution: Resolution) -> ShadowRoute | None:
+        """The shadow that gets a copy of a request answered by its alias's own target (not its canary)."""
+        if resolution.alias is None or resolution.canary or resolution.ref.model is None:
+            return None
+        manifest = self.manifests.get(resolution.ref.model)
+        return manifest.shadows.get(resolution.alias) if manifest is not None else None
+
     def model_cards(self) -> list[dict[str, Any]]:
         """`/v1/models` entries: the base, then `<base>:<model>@<alias>` for every served alias that is set
         (plus `<base>:<model>` for the default alias), with the version each points to. No folders, no URIs."""
@@ -97,13 +105,13 @@ class RoutesTable:
 def hot_adapter_ids(table: RoutesTable, cap: int) -> list[str]:
     """Internal ids of the adapters every LLM replica should hold before traffic asks for them, newest first,
     at most `cap` (the replica's adapter slots: preloading more would evict what is served). Hot: each served
-    alias's target and canary, and each pending `preview` (`promote --verify` publishes it, then evaluates it,
+    alias's target, canary and shadow, and each pending `preview` (`promote --verify` publishes it, then evaluates it,
     then moves the alias: a preview newer than its alias's target is the next target). Newest by the time each
     became hot (`promoted_at`, a preview's `at`)."""
     became_hot: dict[str, str] = {}
     for model, manifest in table.manifests.items():
-        served = [route for alias, route in [*manifest.aliases.items(), *manifest.canaries.items()]
-                  if alias in table.served_aliases]
+        served = [route for alias, route in [*manifest.aliases.items(), *manifest.canaries.items(),
+                                             *manifest.shadows.items()] if alias in table.served_aliases]
         hot = [(route.folder, route.promoted_at) for route in served]
         collected = manifest.collected_versions()
         for entry in manifest.history:

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from registry_hooks.plan import Intent, drift, effective_intent, next_manifest, served_targets, shadow_targets
 from registry_hooks.registry import intent_of
 from rlops.layout import AliasRoute, MoveNote, RoutesManifest, ShadowRoute, shadow_alias
+from serving.routes import RoutesTable, hot_adapter_ids
 
 
 def route(version: int) -> AliasRoute:
@@ -97,3 +98,21 @@ def test_a_shadow_the_registry_wants_but_serving_lacks_is_drift():
     assert drift(wanted, m) == []
     assert [d.describe() for d in drift(Intent({"production": 1}, percents={}), m)] == [
         "production-shadow: registry unset at 0%, served v2 at 20%"]
+
+
+def test_a_request_answered_by_the_alias_target_is_the_one_copied_and_the_shadow_is_hot():
+    m = plan(RoutesManifest(model="m"), Intent({"production": 1, "staging": 1, "production-canary": 3},
+                                               {"production": 50}), "t1")
+    m = plan(m, Intent({"production": 1, "staging": 1, "production-canary": 3, "production-shadow": 2},
+                       {"production": 50}, percents={"production": 10}), "t2")
+    table = RoutesTable("b", ("production", "staging"), "production", {"m": m})
+    keys = [f"k{i}" for i in range(40)]
+    answered = {key: table.resolve("b:m", key) for key in keys}
+    assert {r.canary for r in answered.values()} == {True, False}  # both sides of the canary answered
+    for resolution in answered.values():
+        shadow = table.shadow(resolution)
+        assert (shadow.version if shadow else None) == (None if resolution.canary else 2)
+    assert table.shadow(table.resolve("b:m@staging")) is None  # staging has no shadow
+    assert table.shadow(table.resolve("b:m@v1")) is None  # a pinned version is nobody's alias
+    assert table.shadow(table.resolve("b")) is None
+    assert "b:m-v2" in hot_adapter_ids(table, 8)  # the LLM replicas load the shadow before copies arrive
