@@ -17,8 +17,9 @@ from registry_hooks.plan import drift, parse_time, referenced_folders, rollback_
 from registry_hooks.reconcile import ManifestCache, ModelState, read_states
 from registry_hooks.sync import Forbidden, NotFound, Promoter, PromotionError, Refused, SyncConflict, SyncReport
 from rlops.config import Config
-from rlops.layout import (CANARY_SUFFIX, TAG_FORCE, TAG_METRIC_KEY, TAG_METRIC_VALUE, Collected, MoveNote, RoutesManifest,
-                          canary_alias, is_valid_alias, is_valid_name, shadow_alias, utc_now, version_folder)
+from rlops.layout import (CANARY_SUFFIX, TAG_FORCE, TAG_METRIC_KEY, TAG_METRIC_VALUE, Collected, MoveNote,
+                          RoutesManifest, canary_alias, is_valid_alias, is_valid_name, shadow_alias, utc_now,
+                          version_folder)
 
 RECONCILER_STATUS = "reconciler"
 log = logging.getLogger(__name__)

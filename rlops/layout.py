@@ -251,7 +251,8 @@ class HistoryEntry(_Strict):
     version: int = Field(ge=1)
     at: str
     trigger: str
-    event: Literal["move", "canary", "canary_promoted", "canary_aborted", "preview", "shadow", "shadow_stopped"] = "move"
+    event: Literal["move", "canary", "canary_promoted", "canary_aborted", "preview", "shadow",
+                   "shadow_stopped"] = "move"
     from_version: int | None = None
     weight: float | None = None
     actor: str | None = None

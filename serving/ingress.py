@@ -14,7 +14,9 @@ import json
 import logging
 import math
 import os
+import random
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Mapping
 
@@ -29,11 +31,12 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
 )
 from ray import serve
 from ray.serve.llm.ingress import OpenAiIngress
-from rlops.layout import ModelNameError, Resolution
+from rlops.layout import ModelNameError, Resolution, ShadowRoute
 from serving.access import AccessControl, AccessError, KeyScope, RateLimiter, env_scopes
 from serving.routes import RoutesSettings, internal_model_id, replica_routes_cache
+from serving.shadow import ShadowAnswer, ShadowJob, ShadowMirror, shadowed
 from serving.trace_writer import TraceWriter, TraceWriterSettings, task_scorer
-from serving.traces import ServedRequest
+from serving.traces import TAG_SHADOW_PAIR, TAG_SHADOW_ROLE, ServedRequest
 from serving.validation import RequestError, RequestLimits, check_body
 
 # A child of Ray Serve's logger: replica logs with its request/replica context, at its level.
@@ -55,6 +58,8 @@ class IngressSettings(RoutesSettings):
     keys_file: str | None = None  # scoped keys (serving.access); neither: no auth
     ingress_replicas: int = Field(1, ge=1)  # each replica enforces its share of a key's rate limits
     request_log: bool = False  # a JSON line per answer in the replica log
+    shadow_concurrency: int = Field(4, ge=1)  # copies to shadows in flight at once, per replica
+    shadow_queue_size: int = Field(100, ge=1)  # copies waiting; beyond it a copy is dropped (counted)
     traces: TraceWriterSettings | None = None  # None or sample rate 0: nothing is traced
 
 
@@ -183,6 +188,16 @@ class Sampled:
 
 
 @dataclass(frozen=True)
+class Copy:
+    """A request drawn for its alias's shadow: what the copy needs that the response does not carry."""
+    route: ShadowRoute
+    body: Any  # the request as parsed, before its routing id was rewritten
+    raw: bytes
+    client: str | None
+    started_ns: int
+
+
+@dataclass(frozen=True)
 class Charge:
     """What a scoped request was charged against its key's limits."""
     scope: KeyScope
@@ -246,12 +261,18 @@ class IngressMetrics:
         self.traces = metrics.Counter("rlops_serving_traces", "Sampled requests by what became of their trace: "
                                       "recorded, scored, dropped (queue full), failed (MLflow refused it).",
                                       tag_keys=("outcome",))
+        self.shadows = metrics.Counter("rlops_serving_shadow_copies", "Copies of requests to shadow versions: "
+                                       "sent, dropped (queue full), failed (the copy could not be sent).",
+                                       tag_keys=("outcome",))
         self._counts: dict[tuple[str, ...], list[int]] = {}  # tag values -> [requests, prompt, completion]
         self._error_counts: dict[tuple[str, ...], int] = {}  # tag values + status -> errors
         self._flush_due = False
 
     def count_traces(self, outcome: str, n: int) -> None:
         self.traces.inc(n, tags={"outcome": outcome})
+
+    def count_shadows(self, outcome: str, n: int) -> None:
+        self.shadows.inc(n, tags={"outcome": outcome})
 
     def record(self, resolution: Resolution | None, endpoint: str, status: int, latency_ms: float, *,
                ttft_ms: float | None = None, usage: tuple[int, int] | None = None) -> None:
@@ -318,6 +339,9 @@ class AliasIngress(OpenAiIngress):
         traces = self._settings.traces
         self._traces = (TraceWriter(traces, self._metrics.count_traces, task_scorer(traces)).start()
                         if traces is not None and traces.sample_rate > 0 else None)
+        self._shadows = ShadowMirror(self._send_copy, self._record_pair, self._metrics.count_shadows,
+                                     concurrency=self._settings.shadow_concurrency,
+                                     queue_size=self._settings.shadow_queue_size)
         # A retry after one routes refresh sees whatever the registry now publishes for the name.
         self._retry_after_s = max(1, math.ceil(self._settings.staleness_s))
 
@@ -331,6 +355,9 @@ class AliasIngress(OpenAiIngress):
         traces = getattr(self, "_traces", None)
         if traces is not None:
             traces.stop()
+        shadows = getattr(self, "_shadows", None)
+        if shadows is not None:
+            shadows.stop()
 
     # --------------------------------------------------------------------------------- endpoints
 
@@ -414,6 +441,7 @@ class AliasIngress(OpenAiIngress):
         resolution: Resolution | None = None
         charge: Charge | None = None
         sample: Sampled | None = None
+        copy: Copy | None = None
         try:
             scope = self._scope(request)
             raw = await self._read_body(request)
@@ -421,8 +449,12 @@ class AliasIngress(OpenAiIngress):
             key = client_key(getattr(body, "user", None), request.headers.get(SESSION_HEADER),
                              request.headers.get("authorization"))
             resolution = resolve(self._routes.table, body.model, key, scope)
+            started_ns = time.time_ns() - int((time.perf_counter() - started) * 1e9)
             if self._traces is not None and self._traces.sample():
-                sample = Sampled(raw, time.time_ns() - int((time.perf_counter() - started) * 1e9), key)
+                sample = Sampled(raw, started_ns, key)
+            shadow = self._routes.table.shadow(resolution)
+            if shadow is not None and shadowed(shadow.percent, random.random()):
+                copy = Copy(shadow, body.model_copy(), raw, key, started_ns)
             if scope is not None:
                 charge = Charge(scope, charged_tokens(body, self._limits.max_request_tokens))
                 try:
@@ -440,13 +472,49 @@ class AliasIngress(OpenAiIngress):
         response.headers.update(self._replica_headers)
         if isinstance(response, StreamingResponse):
             response.body_iterator = self._finish_after(response.body_iterator, resolution, endpoint, started, charge,
-                                                        sample)
+                                                        sample, copy)
         else:
             usage = usage_in(response.body)
             self._settle(charge, usage)
             self._finish(resolution, endpoint, response.status_code, started, stream=False,
-                         first_byte=time.perf_counter(), usage=usage, sample=sample, answer=response.body)
+                         first_byte=time.perf_counter(), usage=usage, sample=sample, answer=response.body, copy=copy)
         return response
+
+    async def _send_copy(self, job: ShadowJob) -> ShadowAnswer:
+        """The copy of a request to its shadow, as one non-streamed answer (an engine error is an answer too)."""
+        internal_id = internal_model_id(self._settings.base_model_id, job.shadow_folder)
+        body = job.body.model_copy(update={"model": internal_id, "stream": False, "stream_options": None})
+        started = time.perf_counter()
+        try:
+            response = await self._process_llm_request(body, call_method=job.endpoint, raw_request=None)
+            status, answer = response.status_code, response.body
+        except (OpenAIHTTPException, HTTPException) as exc:
+            status, answer = exc.status_code, json.dumps({"error": {"message": "the shadow failed to answer",
+                                                                      "code": exc.status_code}}).encode()
+        public = NameRewriter(internal_id, self._shadow_name(job))
+        return ShadowAnswer(status, public.body(answer), (time.perf_counter() - started) * 1000)
+
+    def _shadow_name(self, job: ShadowJob) -> str:
+        return f"{self._settings.base_model_id}:{job.primary.ref.model}@v{job.shadow_version}"
+
+    def _record_pair(self, job: ShadowJob, answer: ShadowAnswer) -> None:
+        """Both answers as traces that share the pair's id (scored by the task where it can read the request)."""
+        if self._traces is None:  # tracing is off: the writer starts with the first pair
+            traces = self._settings.traces
+            if traces is None:
+                return
+            self._traces = TraceWriter(traces, self._metrics.count_traces, task_scorer(traces)).start()
+        pair, primary = uuid.uuid4().hex, job.primary
+        common = dict(endpoint=job.endpoint, registered_model=primary.ref.model, canary=False, client=job.client,
+                      started_ns=job.started_ns, ttft_ms=None, usage=None, request=job.request)
+        self._traces.offer(ServedRequest(
+            model_name=primary.ref.raw, alias=primary.alias, version=primary.version, latency_ms=job.primary_latency_ms,
+            status=job.primary_status, answer=job.primary_answer, stream=job.stream,
+            tags={TAG_SHADOW_PAIR: pair, TAG_SHADOW_ROLE: "primary"}, **common))
+        self._traces.offer(ServedRequest(
+            model_name=self._shadow_name(job), alias=None, version=job.shadow_version, latency_ms=answer.latency_ms,
+            status=answer.status, answer=answer.answer, tags={TAG_SHADOW_PAIR: pair, TAG_SHADOW_ROLE: "shadow"},
+            **common))
 
     def _settle(self, charge: Charge | None, usage: tuple[int, int] | None) -> None:
         if charge is not None and usage is not None:
@@ -502,11 +570,11 @@ class AliasIngress(OpenAiIngress):
         return response
 
     async def _finish_after(self, chunks: AsyncIterator, resolution, endpoint: str, started: float,
-                            charge: Charge | None = None, sample: Sampled | None = None):
+                            charge: Charge | None = None, sample: Sampled | None = None, copy: Copy | None = None):
         """Counts a stream when it ends: an engine error after the 200 headers (an error event, or the stream
         raising) is a 500 in the metrics, a client that went away a 499."""
         status, first_byte, usage = 200, None, None
-        kept: list = []  # a sampled stream's chunks, for its trace
+        kept: list = []  # a sampled or copied stream's chunks, for its trace
         try:
             async for chunk in chunks:
                 if first_byte is None:
@@ -514,7 +582,7 @@ class AliasIngress(OpenAiIngress):
                 if is_error_event(chunk):
                     status = 500
                 usage = usage_in(chunk) or usage
-                if sample is not None:
+                if sample is not None or copy is not None:
                     kept.append(chunk)
                 yield chunk
         except (asyncio.CancelledError, GeneratorExit):
@@ -526,12 +594,17 @@ class AliasIngress(OpenAiIngress):
         finally:
             self._settle(charge, usage)
             self._finish(resolution, endpoint, status, started, stream=True, first_byte=first_byte, usage=usage,
-                         sample=sample, answer=kept)
+                         sample=sample, answer=kept, copy=copy)
 
     def _finish(self, resolution: Resolution | None, endpoint: str, status: int, started: float, *, stream: bool,
                 first_byte: float | None = None, usage: tuple[int, int] | None = None, sample: Sampled | None = None,
-                answer: bytes | list = b"") -> None:
+                answer: bytes | list = b"", copy: Copy | None = None) -> None:
         latency_ms = (time.perf_counter() - started) * 1000
+        if copy is not None and resolution is not None and status != 499:  # a client that left compares nothing
+            self._shadows.offer(ShadowJob(
+                endpoint=endpoint, body=copy.body, primary=resolution, shadow_version=copy.route.version,
+                shadow_folder=copy.route.folder, request=copy.raw, client=copy.client, primary_status=status,
+                primary_answer=answer, primary_latency_ms=latency_ms, started_ns=copy.started_ns, stream=stream))
         ttft_ms = (first_byte - started) * 1000 if first_byte is not None else None
         self._metrics.record(resolution, endpoint, status, latency_ms, ttft_ms=ttft_ms, usage=usage)
         ref = resolution.ref if resolution else None

@@ -37,9 +37,10 @@ class ShadowJob:
     request: bytes  # the raw body, for the pair's traces
     client: str | None
     primary_status: int
-    primary_answer: bytes
+    primary_answer: bytes | list  # the JSON body, or the SSE chunks of a stream
     primary_latency_ms: float
     started_ns: int
+    stream: bool = False
 
 
 @dataclass(frozen=True)

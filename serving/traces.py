@@ -28,6 +28,8 @@ TAG_CANARY, TAG_CLIENT = "rlops.canary", "rlops.client"
 TAG_NAME, TAG_STATUS = "rlops.model_name", "rlops.status"
 TAG_PROMPT_TOKENS, TAG_COMPLETION_TOKENS = "rlops.prompt_tokens", "rlops.completion_tokens"
 TAG_TTFT_MS, TAG_LATENCY_MS, TAG_CONTENT = "rlops.ttft_ms", "rlops.latency_ms", "rlops.content"
+# a shadow pair: both traces carry its id; role primary (answered the client) or shadow (a copy, never returned)
+TAG_SHADOW_PAIR, TAG_SHADOW_ROLE = "rlops.shadow.pair", "rlops.shadow.role"
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class ServedRequest:
     request: bytes
     answer: bytes | list = b""  # the JSON body, or the SSE chunks of a stream
     stream: bool = False
+    tags: dict[str, str] = field(default_factory=dict)  # more trace tags (a shadow pair's id and role)
 
     @property
     def size(self) -> int:
@@ -218,6 +221,7 @@ def trace_payload(served: ServedRequest, content: bool) -> TracePayload:
                 TAG_COMPLETION_TOKENS: None if usage is None else str(usage[1]),
                 TAG_IMAGES: ",".join(sorted(images)) or None}
     tags.update({k: v for k, v in optional.items() if v is not None})
+    tags.update(served.tags)
     preview_in = json.dumps(inputs.get("messages", inputs.get("prompt", served.model_name)), ensure_ascii=False)
     return TracePayload(
         inputs=inputs, outputs=outputs, tags=tags, request_preview=preview_in[:PREVIEW_CHARS],

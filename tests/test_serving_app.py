@@ -1159,3 +1159,47 @@ def test_verify_gate_publishes_the_candidate_as_v_n_and_refuses_a_worse_served_s
             operations.canary(served.config, served.model, alias="production", abort=True, trigger="test")
     print(f"\nverify gate: refused in {refused_s:.1f} s, passed (canary) in {passed_s:.1f} s, "
           f"{len(seeds)} eval items per version")
+
+
+def test_a_shadow_gets_copies_its_answers_never_reach_clients_and_each_pair_is_traced(served: ServedApp):
+    """Issue 31: with production (v1) shadowed by v2 at 100%, clients get v1's answers and headers only; each
+    request's copy goes to v2 after the answer, and both answers become traces that share the pair's id,
+    scored by the task where it reads the request."""
+    from registry_hooks import operations
+    from rlops.task import load_task
+    from serving.traces import client_hash
+
+    maze = load_task(served.config.task.path, served.config.task.options)
+    items = maze.eval_items(maze.eval_sets()[0])[:3]
+    client = served.openai()
+    plain = [client.chat.completions.create(model=served.name(), messages=item.messages(), temperature=0,
+                                            max_tokens=maze.answer_length).choices[0].message.content for item in items]
+    operations.shadow(served.config, served.model, version=2, percent=100, actor="test", reason="shadow test")
+    try:
+        time.sleep(2 * served.config.serving.routes_staleness_s)  # the ingress has read the shadow
+        user = f"shadow-{uuid.uuid4().hex[:8]}"
+        for item, expected in zip(items, plain):
+            raw = client.chat.completions.with_raw_response.create(
+                model=served.name(), messages=item.messages(), temperature=0, max_tokens=maze.answer_length, user=user)
+            assert raw.headers["x-rlops-model-version"] == "1"
+            assert raw.parse().choices[0].message.content == expected  # v1's answer, never v2's
+        query = f"tags.`rlops.client` = '{client_hash('user:' + user)}'"
+        deadline, found = time.monotonic() + 90, []
+        while time.monotonic() < deadline:
+            found = traces_of(served, query)
+            if len(found) == 2 * len(items) and all(len(t.info.assessments) == 2 for t in found):
+                break
+            time.sleep(1)
+        pairs: dict[str, dict] = {}
+        for trace in found:
+            pairs.setdefault(trace.info.tags["rlops.shadow.pair"], {})[trace.info.tags["rlops.shadow.role"]] = trace
+        assert len(pairs) == len(items) and all(set(p) == {"primary", "shadow"} for p in pairs.values()), \
+            trace_metrics(served)
+        for pair in pairs.values():
+            assert pair["primary"].info.tags["rlops.version"] == "1"
+            assert pair["shadow"].info.tags["rlops.version"] == "2"
+            assert pair["shadow"].info.tags["rlops.model_name"] == served.name("@v2")
+            assert "lora-serving" not in pair["shadow"].to_json()  # no folder or bucket in the shadow's trace
+            assert {a.name for a in pair["shadow"].info.assessments} == {"task_score", "task_passed"}
+    finally:
+        operations.shadow(served.config, served.model, stop=True, actor="test")
