@@ -37,8 +37,12 @@ def compare(base: Mapping[str, bool], candidate: Mapping[str, bool]) -> Baseline
         raise ValueError("the two evals share no item: they were not run on the same eval set")
     gained = sum(1 for i in ids if candidate[i] and not base[i])
     lost = sum(1 for i in ids if base[i] and not candidate[i])
-    n = gained + lost
-    p_value = sum(comb(n, k) for k in range(gained, n + 1)) / 2**n if n else 1.0
     return BaselineComparison(base_rate=sum(base[i] for i in ids) / len(ids),
                               rate=sum(candidate[i] for i in ids) / len(ids), gained=gained, lost=lost,
-                              p_value=p_value)
+                              p_value=sign_test_p(gained, lost))
+
+
+def sign_test_p(gained: int, lost: int) -> float:
+    """P(at least `gained` of the gained + lost discordant pairs favour the candidate | no effect)."""
+    n = gained + lost
+    return sum(comb(n, k) for k in range(gained, n + 1)) / 2**n if n else 1.0
