@@ -15,9 +15,12 @@ from registry_hooks import registry, storage
 from registry_hooks.adapter import InvalidAdapter
 from registry_hooks.plan import drift, parse_time, referenced_folders, rollback_target, served_gate_refusal
 from registry_hooks.reconcile import ManifestCache, ModelState, read_states
+from registry_hooks.shadow_evidence import Answer, evidence
 from registry_hooks.sync import Forbidden, NotFound, Promoter, PromotionError, Refused, SyncConflict, SyncReport
 from rlops.config import Config
-from rlops.layout import (CANARY_SUFFIX, TAG_FORCE, TAG_METRIC_KEY, TAG_METRIC_VALUE, Collected, MoveNote,
+from rlops.layout import (CANARY_SUFFIX, TAG_FORCE, TAG_METRIC_KEY, TAG_METRIC_VALUE, TRACE_SCORE, TRACE_TAG_LATENCY_MS,
+                          TRACE_TAG_MODEL, TRACE_TAG_SHADOW_PAIR, TRACE_TAG_SHADOW_ROLE, TRACE_TAG_STATUS,
+                          TRACE_TAG_VERSION, Collected, MoveNote,
                           RoutesManifest, canary_alias, is_valid_alias, is_valid_name, shadow_alias, utc_now,
                           version_folder)
 
@@ -563,6 +566,50 @@ def history(config: Config, model: str, *, alias: str | None = None) -> list[dic
             metrics[int(mv.version)] = "; ".join(filter(None, figures))
     return [{**entry.model_dump(), "eval": metrics.get(entry.version)}
             for entry in manifest.history if alias is None or entry.alias == alias]
+
+
+TRACES_PAGE = 500
+
+
+def shadow_status(config: Config, model: str, *, alias: str | None = None) -> dict:
+    """The evidence of `alias`'s shadow so far: its pairs since it started (each copied request's primary and
+    shadow traces, joined by the pair's id), as shadow_evidence.evidence figures, with both versions."""
+    promoter = Promoter(config)
+    promoter.check_model(model)
+    alias = alias or config.registry.default_alias
+    _served_alias(config, alias)
+    manifest, _ = storage.read_manifest(promoter.dest, promoter.location, model)
+    shadow, primary = manifest.shadows.get(alias), manifest.aliases.get(alias)
+    if shadow is None or primary is None:
+        raise NotFound(f"{model}@{alias} has no shadow (promote shadow {model} --version N --percent P starts one)")
+    since_ms = int(parse_time(shadow.promoted_at).timestamp() * 1000)
+    sides = {}
+    for role, version in (("primary", primary.version), ("shadow", shadow.version)):
+        experiment = registry.version_experiment_id(promoter.mlflow, model, version, config.serving.traces.experiment)
+        sides[role] = _pair_traces(promoter.mlflow, experiment, model, version, role, since_ms) if experiment else {}
+    pairs = [(sides["primary"][pair], sides["shadow"][pair]) for pair in sides["shadow"] if pair in sides["primary"]]
+    found = evidence(pairs)
+    return {"model": model, "alias": alias, "primary_version": primary.version, "shadow_version": shadow.version,
+            "percent": shadow.percent, "since": shadow.promoted_at, "summary": found.describe(), **asdict(found)}
+
+
+def _pair_traces(client, experiment_id: str, model: str, version: int, role: str, since_ms: int) -> dict[str, Answer]:
+    """Pair id -> the answer of `version` in its role, from the traces written since the shadow started."""
+    query = (f"tags.`{TRACE_TAG_MODEL}` = '{model}' AND tags.`{TRACE_TAG_VERSION}` = '{version}' AND "
+             f"tags.`{TRACE_TAG_SHADOW_ROLE}` = '{role}' AND timestamp_ms >= {since_ms}")
+    answers, token = {}, None
+    while True:
+        page = client.search_traces(locations=[experiment_id], filter_string=query, max_results=TRACES_PAGE,
+                                    page_token=token, include_spans=False)
+        for trace in page:
+            tags = trace.info.tags
+            scores = [a.value for a in trace.info.assessments or [] if a.name == TRACE_SCORE]
+            answers[tags[TRACE_TAG_SHADOW_PAIR]] = Answer(
+                status=int(tags.get(TRACE_TAG_STATUS, "0")), latency_ms=float(tags.get(TRACE_TAG_LATENCY_MS, "nan")),
+                score=float(scores[-1]) if scores else None, text=trace.info.response_preview)
+        token = page.token
+        if not token:
+            return answers
 
 
 def endpoint_serves(models_body: dict, name: str, version: int, canary: bool) -> bool:

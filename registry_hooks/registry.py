@@ -189,6 +189,17 @@ def version_by_alias(client: MlflowClient, model: str, alias: str) -> int:
         raise
 
 
+def version_experiment_id(client: MlflowClient, model: str, version: int, fallback_experiment: str) -> str | None:
+    """Where the traces of a version's answers are: its LoggedModel's experiment, else (a version without one)
+    the experiment named `fallback_experiment`; None when that does not exist (no trace written yet)."""
+    mv = client.get_model_version(model, str(version))
+    model_id = version_model_id(mv.model_id, mv.source)
+    if model_id:
+        return client.get_logged_model(model_id).experiment_id
+    experiment = client.get_experiment_by_name(fallback_experiment)
+    return experiment.experiment_id if experiment is not None else None
+
+
 def require_model(client: MlflowClient, model: str) -> None:
     try:
         client.get_registered_model(model)

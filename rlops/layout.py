@@ -155,6 +155,10 @@ TRACE_MODEL_ID = "mlflow.modelId"  # trace metadata linking it to a LoggedModel 
 TRACE_SCORE, TRACE_PASSED = "task_score", "task_passed"  # the task scorer's assessments
 TRACE_IMAGE_REF = "rlops-image://sha256/"  # + hex: an image in the messages, stored once...
 TRACE_IMAGES_DIR = "rlops-images"  # ...under the experiment's artifact root as <sha256>.<ext>
+TRACE_TAG_MODEL, TRACE_TAG_VERSION = "rlops.registered_model", "rlops.version"  # the answering version
+TRACE_TAG_STATUS, TRACE_TAG_LATENCY_MS = "rlops.status", "rlops.latency_ms"
+# a shadow pair (issue 31): both traces carry its id; role primary (it answered the client) or shadow (a copy)
+TRACE_TAG_SHADOW_PAIR, TRACE_TAG_SHADOW_ROLE = "rlops.shadow.pair", "rlops.shadow.role"
 
 
 LOGGED_MODEL_URI = "models:/"  # + a LoggedModel id: a registered version's source when the tracker made it

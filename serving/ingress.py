@@ -31,12 +31,12 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
 )
 from ray import serve
 from ray.serve.llm.ingress import OpenAiIngress
-from rlops.layout import ModelNameError, Resolution, ShadowRoute
+from rlops.layout import TRACE_TAG_SHADOW_PAIR, TRACE_TAG_SHADOW_ROLE, ModelNameError, Resolution, ShadowRoute
 from serving.access import AccessControl, AccessError, KeyScope, RateLimiter, env_scopes
 from serving.routes import RoutesSettings, internal_model_id, replica_routes_cache
 from serving.shadow import ShadowAnswer, ShadowJob, ShadowMirror, shadowed
 from serving.trace_writer import TraceWriter, TraceWriterSettings, task_scorer
-from serving.traces import TAG_SHADOW_PAIR, TAG_SHADOW_ROLE, ServedRequest
+from serving.traces import ServedRequest
 from serving.validation import RequestError, RequestLimits, check_body
 
 # A child of Ray Serve's logger: replica logs with its request/replica context, at its level.
@@ -510,10 +510,10 @@ class AliasIngress(OpenAiIngress):
         self._traces.offer(ServedRequest(
             model_name=primary.ref.raw, alias=primary.alias, version=primary.version, latency_ms=job.primary_latency_ms,
             status=job.primary_status, answer=job.primary_answer, stream=job.stream,
-            tags={TAG_SHADOW_PAIR: pair, TAG_SHADOW_ROLE: "primary"}, **common))
+            tags={TRACE_TAG_SHADOW_PAIR: pair, TRACE_TAG_SHADOW_ROLE: "primary"}, **common))
         self._traces.offer(ServedRequest(
             model_name=self._shadow_name(job), alias=None, version=job.shadow_version, latency_ms=answer.latency_ms,
-            status=answer.status, answer=answer.answer, tags={TAG_SHADOW_PAIR: pair, TAG_SHADOW_ROLE: "shadow"},
+            status=answer.status, answer=answer.answer, tags={TRACE_TAG_SHADOW_PAIR: pair, TRACE_TAG_SHADOW_ROLE: "shadow"},
             **common))
 
     def _settle(self, charge: Charge | None, usage: tuple[int, int] | None) -> None:

@@ -17,19 +17,18 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from rlops.layout import TRACE_IMAGE_REF, TRACE_TAG_ENDPOINT as TAG_ENDPOINT, TRACE_TAG_IMAGES as TAG_IMAGES
+from rlops.layout import (TRACE_IMAGE_REF, TRACE_TAG_ENDPOINT as TAG_ENDPOINT, TRACE_TAG_IMAGES as TAG_IMAGES,
+                          TRACE_TAG_LATENCY_MS as TAG_LATENCY_MS, TRACE_TAG_MODEL as TAG_MODEL,
+                          TRACE_TAG_STATUS as TAG_STATUS, TRACE_TAG_VERSION as TAG_VERSION)
 
 _DATA_URL = re.compile(r"^data:(image/[A-Za-z0-9.+-]+);base64,(.*)$", re.DOTALL)
 
 PREVIEW_CHARS = 1000
 # trace tags (searchable in the MLflow UI and `search_traces`); those others read are in rlops.layout
-TAG_MODEL, TAG_ALIAS, TAG_VERSION = "rlops.registered_model", "rlops.alias", "rlops.version"
-TAG_CANARY, TAG_CLIENT = "rlops.canary", "rlops.client"
-TAG_NAME, TAG_STATUS = "rlops.model_name", "rlops.status"
+TAG_ALIAS, TAG_CANARY, TAG_CLIENT = "rlops.alias", "rlops.canary", "rlops.client"
+TAG_NAME = "rlops.model_name"
 TAG_PROMPT_TOKENS, TAG_COMPLETION_TOKENS = "rlops.prompt_tokens", "rlops.completion_tokens"
-TAG_TTFT_MS, TAG_LATENCY_MS, TAG_CONTENT = "rlops.ttft_ms", "rlops.latency_ms", "rlops.content"
-# a shadow pair: both traces carry its id; role primary (answered the client) or shadow (a copy, never returned)
-TAG_SHADOW_PAIR, TAG_SHADOW_ROLE = "rlops.shadow.pair", "rlops.shadow.role"
+TAG_TTFT_MS, TAG_CONTENT = "rlops.ttft_ms", "rlops.content"
 
 
 @dataclass(frozen=True)

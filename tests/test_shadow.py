@@ -2,6 +2,8 @@
 and the history agreeing at each step."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from registry_hooks import operations
@@ -50,3 +52,57 @@ def test_a_shadow_is_copied_published_reshared_and_stopped(stack, test_config, m
     assert events == [("move", v1, None, None, "ana", None), ("shadow", v2, v1, 20, "ana", "try on live"),
                       ("shadow", v2, v1, 100, None, None),
                       ("shadow_stopped", v2, v2, 0, "bo", "enough pairs")]
+
+
+def test_shadow_status_joins_the_pairs_traced_since_the_shadow_started(stack, test_config, lora_template, tmp_path):
+    """The pairs as the ingress writes them (TraceWriter, real MLflow): joined by pair id across the two
+    versions' traces, unscored answers compared for agreement, the shadow's errors and latency counted."""
+    import json
+    import uuid
+
+    from serving.trace_writer import TraceWriter, TraceWriterSettings
+    from serving.traces import ServedRequest
+    from rlops.layout import TRACE_TAG_SHADOW_PAIR, TRACE_TAG_SHADOW_ROLE
+
+    model = test_config.registry.models[0]
+    v1, v2 = (register_version(test_config, write_adapter(lora_template, tmp_path / f"a{seed}", test_config, seed=seed),
+                               step=seed) for seed in (1, 2))
+    operations.promote(test_config, model, to_alias="production", version=v1)
+    with pytest.raises(NotFound, match="has no shadow"):
+        operations.shadow_status(test_config, model)
+    operations.shadow(test_config, model, version=v2, percent=50)
+
+    counts: dict[str, int] = {}
+    writer = TraceWriter(TraceWriterSettings(sample_rate=0, content=True, queue_size=100, queue_mib=8,
+                                             experiment=f"shadow-{uuid.uuid4().hex[:6]}",
+                                             tracking_uri=test_config.tracking_uri),
+                         lambda outcome, n: counts.update({outcome: counts.get(outcome, 0) + n})).start()
+
+    def answer(text: str) -> bytes:
+        return json.dumps({"id": uuid.uuid4().hex, "choices": [{"index": 0, "message": {"content": text}}]}).encode()
+
+    pairs = [("up", "up", 200, 5.0)] * 3 + [("up", "left", 200, 7.0)] * 2 + [("up", "", 500, 1.0)]
+    for primary_text, shadow_text, shadow_status, shadow_ms in pairs:
+        pair = uuid.uuid4().hex
+        request = json.dumps({"messages": [{"role": "user", "content": "go"}]}).encode()
+        common = dict(endpoint="chat", registered_model=model, canary=False, client=None, started_ns=time.time_ns(),
+                      ttft_ms=None, usage=None, request=request)
+        writer.offer(ServedRequest(model_name=f"b:{model}", alias="production", version=v1, latency_ms=4.0, status=200,
+                                   answer=answer(primary_text), tags={TRACE_TAG_SHADOW_PAIR: pair,
+                                                                      TRACE_TAG_SHADOW_ROLE: "primary"}, **common))
+        writer.offer(ServedRequest(model_name=f"b:{model}@v{v2}", alias=None, version=v2, latency_ms=shadow_ms,
+                                   status=shadow_status, answer=answer(shadow_text) if shadow_status == 200 else b"{}",
+                                   tags={TRACE_TAG_SHADOW_PAIR: pair, TRACE_TAG_SHADOW_ROLE: "shadow"}, **common))
+    deadline = time.monotonic() + 60
+    while counts.get("recorded", 0) < 2 * len(pairs) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    writer.stop()
+    assert counts.get("recorded") == 2 * len(pairs), counts
+
+    status = operations.shadow_status(test_config, model)
+    assert (status["primary_version"], status["shadow_version"], status["percent"]) == (v1, v2, 50)
+    assert (status["pairs"], status["ties"], status["unscored_differ"]) == (6, 3, 3)
+    assert status["wins"] == status["losses"] == 0  # nothing scored them
+    assert status["shadow_error_rate"] == pytest.approx(1 / 6) and status["primary_error_rate"] == 0
+    assert (status["primary_p50_ms"], status["shadow_p50_ms"]) == (4.0, 5.0)
+    assert "6 pairs" in status["summary"]
