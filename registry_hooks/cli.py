@@ -55,6 +55,16 @@ class PromoteGroup(click.Group):
         return super().parse_args(ctx, args)
 
 
+class ShadowGroup(click.Group):
+    """`promote shadow MODEL ...` (no subcommand name) starts, reshares or stops a shadow; `promote shadow
+    status MODEL` shows its evidence."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and not args[0].startswith("-") and args[0] not in self.commands:
+            args = ["start", *args]
+        return super().parse_args(ctx, args)
+
+
 def actor(config: Config, environ: Mapping[str, str] = os.environ) -> str:
     """Who moves, for the history and audit tags. With tracking auth configured (`server.auth`) every request of
     this command is authenticated by MLflow as the basic-auth user, so that user is the actor. Without it nobody
@@ -111,6 +121,8 @@ def _print_report(report: SyncReport, as_json: bool) -> None:
                                           f"{report.canaries[a]['weight']:g}%)" if a in report.canaries else "")
                        for a, v in sorted(report.served.items())) or "(no aliases)"
     click.echo(f"{report.model}: {served}  [generation {report.generation}, {report.trigger}]")
+    for alias, shadow in sorted(report.shadows.items()):
+        click.echo(f"  shadow   {alias}: v{shadow['version']} gets a copy of {shadow['percent']:g}% of its requests")
     for alias, version in sorted(report.promoted.items()):
         click.echo(f"  promoted {alias} -> v{version} ({report.copy_mode}, {report.bytes_copied / 1e6:.1f} MB copied)")
     for alias, refusal in sorted(report.refused.items()):
@@ -252,6 +264,60 @@ def canary_command(ctx, model, alias, version, weight, promote_it, abort, force,
     _print_report(report, as_json)
 
 
+@main.group("shadow", cls=ShadowGroup)
+def shadow_group() -> None:
+    """Copy P percent of ALIAS's requests to version N, whose answers are never returned; score both.
+
+    \b
+      promote shadow MODEL --version N --percent P [--alias production]
+      promote shadow MODEL --stop
+      promote shadow status MODEL [--json]
+    """
+
+
+@shadow_group.command("start", hidden=True)
+@click.argument("model")
+@click.option("--alias", help="Served alias whose requests are copied (default: registry.default_alias).")
+@click.option("--version", type=click.IntRange(min=1), help="The shadow version.")
+@click.option("--percent", type=float, help="Percent of the alias's requests copied to the shadow (0 < P <= 100).")
+@click.option("--stop", is_flag=True, help="End the shadow.")
+@reason_option
+@dry_run_option
+@json_option
+@click.pass_context
+def shadow_start_command(ctx, model, alias, version, percent, stop, reason, dry_run, as_json) -> None:
+    """promote shadow MODEL (--version N --percent P | --stop)"""
+    from registry_hooks import operations
+
+    config = _config(ctx, as_json)
+    if version is not None and percent is None:
+        _fail("--version needs --percent P", 2, as_json)
+    with handled(as_json), progress_bar(not as_json) as progress:
+        report = operations.shadow(config, model, alias=alias, version=version, percent=percent, stop=stop,
+                                   actor=actor(config), reason=reason, dry_run=dry_run, progress=progress)
+    _print_report(report, as_json)
+
+
+@shadow_group.command("status")
+@click.argument("model")
+@click.option("--alias", help="Served alias (default: registry.default_alias).")
+@json_option
+@click.pass_context
+def shadow_status_command(ctx, model, alias, as_json) -> None:
+    """Pairs so far: wins, losses, ties, the sign test's p, both versions' latency and error rates."""
+    from registry_hooks import operations
+
+    config = _config(ctx, as_json)
+    with handled(as_json):
+        status = operations.shadow_status(config, model, alias=alias)
+    if as_json:
+        click.echo(json.dumps(status, indent=2))
+        return
+    click.echo(f"{model}@{status['alias']}: v{status['primary_version']} answers, v{status['shadow_version']} "
+               f"shadows {status['percent']:g}% since {status['since']}")
+    click.echo(f"  {status['summary']}")
+
+
 @main.command("history")
 @click.argument("model")
 @click.option("--alias", help="Only this alias's moves.")
@@ -273,6 +339,10 @@ def history_command(ctx, model, alias, as_json) -> None:
             what = f"canary v{e['version']} at {e['weight']:g}% (beside v{e['from_version']})"
         elif e["event"] == "canary_aborted":
             what = f"canary v{e['version']} dropped"
+        elif e["event"] == "shadow":
+            what = f"shadow v{e['version']} at {e['weight']:g}% (beside v{e['from_version']})"
+        elif e["event"] == "shadow_stopped":
+            what = f"shadow v{e['version']} stopped"
         elif e["event"] == "preview":
             what = f"v{e['version']} published as @v{e['version']} (verify)"
         else:

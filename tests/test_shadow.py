@@ -2,6 +2,7 @@
 and the history agreeing at each step."""
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -57,7 +58,6 @@ def test_a_shadow_is_copied_published_reshared_and_stopped(stack, test_config, m
 def test_shadow_status_joins_the_pairs_traced_since_the_shadow_started(stack, test_config, lora_template, tmp_path):
     """The pairs as the ingress writes them (TraceWriter, real MLflow): joined by pair id across the two
     versions' traces, unscored answers compared for agreement, the shadow's errors and latency counted."""
-    import json
     import uuid
 
     from serving.trace_writer import TraceWriter, TraceWriterSettings
@@ -106,3 +106,40 @@ def test_shadow_status_joins_the_pairs_traced_since_the_shadow_started(stack, te
     assert status["shadow_error_rate"] == pytest.approx(1 / 6) and status["primary_error_rate"] == 0
     assert (status["primary_p50_ms"], status["shadow_p50_ms"]) == (4.0, 5.0)
     assert "6 pairs" in status["summary"]
+
+
+def test_promote_shadow_cli_start_status_history_stop_and_usage_errors(stack, test_config, lora_template, tmp_path):
+    from click.testing import CliRunner
+
+    from conftest import write_config
+    from registry_hooks.cli import main as promote_cli
+
+    model = test_config.registry.models[0]
+    v1, v2 = (register_version(test_config, write_adapter(lora_template, tmp_path / f"a{seed}", test_config, seed=seed),
+                               step=seed) for seed in (1, 2))
+    path = write_config(tmp_path / "mlflow.yaml", test_config.model_dump(exclude_none=True))
+
+    def cli(*args: str):
+        result = CliRunner().invoke(promote_cli, ["--config", str(path), *args], catch_exceptions=False)
+        return result.exit_code, result.stdout, result.stderr
+
+    assert cli(model, "--version", str(v1), "--to", "production")[0] == 0
+    code, out, _ = cli("shadow", model, "--version", str(v2), "--percent", "25", "--reason", "live look")
+    assert code == 0 and f"shadow   production: v{v2} gets a copy of 25% of its requests" in out, out
+    code, out, _ = cli("shadow", "status", model, "--json")
+    assert code == 0 and json.loads(out)["pairs"] == 0 and json.loads(out)["shadow_version"] == v2
+    code, out, _ = cli("shadow", "status", model)
+    assert code == 0 and f"v{v1} answers, v{v2} shadows 25%" in out and "0 pairs" in out
+    for args, expected, message in [
+        (("--version", str(v2)), 2, "needs --percent"),
+        (("--version", str(v2), "--percent", "0"), 2, "above 0 and at most 100"),
+        (("--version", "99", "--percent", "5"), 3, "does not exist"),
+        (("--version", str(v2), "--percent", "5", "--alias", "nope"), 3, "not served"),
+    ]:
+        code, _, err = cli("shadow", model, *args)
+        assert code == expected and message in err, (args, code, err)
+    assert cli("shadow", model, "--stop", "--reason", "enough")[0] == 0
+    code, _, err = cli("shadow", "status", model)
+    assert code == 3 and "has no shadow" in err
+    code, out, _ = cli("history", model)
+    assert code == 0 and f"shadow v{v2} at 25% (beside v{v1})" in out and f"shadow v{v2} stopped" in out
