@@ -202,6 +202,25 @@ def main(ctx: click.Context, config_path: str | None) -> None:
     ctx.obj = config_path
 
 
+def shadow_gate_options(fn):
+    fn = click.option("--max-p", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=None,
+                      help="With --require-shadow: refuse a shadow that loses with a sign-test p below this "
+                      "(default: registry.shadow.max_p).")(fn)
+    fn = click.option("--min-pairs", type=click.IntRange(min=1), default=None,
+                      help="With --require-shadow: scored pairs needed (default: registry.shadow.min_pairs).")(fn)
+    return click.option("--require-shadow", is_flag=True, help="Refuse unless the version is the alias's shadow "
+                        "and its live pairs do not show it worse (`promote shadow status`).")(fn)
+
+
+def shadow_gate_of(config: Config, require: bool, min_pairs: int | None, max_p: float | None):
+    from registry_hooks.operations import ShadowGate
+
+    if not require:
+        return None
+    defaults = config.registry.shadow
+    return ShadowGate(min_pairs or defaults.min_pairs, max_p or defaults.max_p)
+
+
 @main.command("to", hidden=True)
 @click.argument("model")
 @click.option("--to", "to_alias", required=True, help="Served alias to move (e.g. production).")
@@ -210,13 +229,14 @@ def main(ctx: click.Context, config_path: str | None) -> None:
 @click.option("--force", is_flag=True, help="Pass the eval-metric guardrail: tags the version rlops.force (who, when).")
 @reason_option
 @verify_option
+@shadow_gate_options
 @endpoint_option
 @wait_options
 @dry_run_option
 @json_option
 @click.pass_context
-def to_command(ctx, model, to_alias, version, from_alias, force, reason, verify, endpoint, wait, wait_timeout, dry_run,
-               as_json) -> None:
+def to_command(ctx, model, to_alias, version, from_alias, force, reason, verify, require_shadow, min_pairs, max_p,
+               endpoint, wait, wait_timeout, dry_run, as_json) -> None:
     """promote MODEL (--version N | --from ALIAS) --to ALIAS"""
     from registry_hooks import operations
 
@@ -224,7 +244,8 @@ def to_command(ctx, model, to_alias, version, from_alias, force, reason, verify,
     with handled(as_json), progress_bar(not as_json) as progress:
         report = operations.promote(config, model, to_alias=to_alias, version=version, from_alias=from_alias,
                                     force=force, actor=actor(config), reason=reason, dry_run=dry_run, progress=progress,
-                                    gate=live_gate(config, verify, endpoint, wait_timeout))
+                                    gate=live_gate(config, verify, endpoint, wait_timeout),
+                                    shadow_gate=shadow_gate_of(config, require_shadow, min_pairs, max_p))
         if wait and not dry_run:
             wait_for(config, report, to_alias, canary=False, timeout_s=wait_timeout)
     _print_report(report, as_json)

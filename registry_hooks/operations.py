@@ -15,12 +15,12 @@ from registry_hooks import registry, storage
 from registry_hooks.adapter import InvalidAdapter
 from registry_hooks.plan import drift, parse_time, referenced_folders, rollback_target, served_gate_refusal
 from registry_hooks.reconcile import ManifestCache, ModelState, read_states
-from registry_hooks.shadow_evidence import Answer, evidence
+from registry_hooks.shadow_evidence import Answer, ShadowEvidence, evidence, gate_refusal
 from registry_hooks.sync import Forbidden, NotFound, Promoter, PromotionError, Refused, SyncConflict, SyncReport
 from rlops.config import Config
 from rlops.layout import (CANARY_SUFFIX, TAG_FORCE, TAG_METRIC_KEY, TAG_METRIC_VALUE, TRACE_SCORE, TRACE_TAG_LATENCY_MS,
                           TRACE_TAG_MODEL, TRACE_TAG_SHADOW_PAIR, TRACE_TAG_SHADOW_ROLE, TRACE_TAG_STATUS,
-                          TRACE_TAG_VERSION, Collected, MoveNote,
+                          TRACE_TAG_VERSION, Collected, MoveNote, ShadowRoute,
                           RoutesManifest, canary_alias, is_valid_alias, is_valid_name, shadow_alias, utc_now,
                           version_folder)
 
@@ -54,6 +54,43 @@ class LiveGate:
     endpoint: str
     api_key: str | None = None
     timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class ShadowGate:
+    """`--require-shadow`: the candidate must be the alias's shadow, with evidence that it is not worse."""
+
+    min_pairs: int
+    max_p: float
+
+
+SHADOW_GATE_TAG = "rlops.shadow_gate"  # on a version: the shadow gate's last decision and its figures
+
+
+def _shadow_gate(config: Config, alias: str, gate: ShadowGate | None) -> ShadowGate | None:
+    """The gate a move of `alias` must pass: the given one, else the configured one for a required alias."""
+    if gate is None and alias in config.registry.shadow.required_aliases:
+        return ShadowGate(config.registry.shadow.min_pairs, config.registry.shadow.max_p)
+    return gate
+
+
+def check_shadow(promoter: Promoter, model: str, alias: str, version: int, gate: ShadowGate, *,
+                 force: bool, record: bool = True) -> str:
+    """Refused unless `version` is `alias`'s shadow and its pairs do not show it worse (`force`: passes, said
+    in the decision); with `record`, the decision and its figures go on the version's tags. Returns the
+    decision."""
+    route, found = _shadow_evidence(promoter, model, alias)
+    if route.version != version:
+        raise Refused(f"v{version} is not the shadow of {model}@{alias} (v{route.version} is): the gate needs live "
+                      f"evidence of the version it moves")
+    refusal = gate_refusal(found, min_pairs=gate.min_pairs, max_p=gate.max_p)
+    verdict = "passed" if refusal is None else ("passed by --force" if force else "refused")
+    decision = f"shadow gate {verdict}: {refusal or found.describe()}"
+    if record:
+        registry.set_tags(promoter.mlflow, model, version, {SHADOW_GATE_TAG: f"{utc_now()}: {decision}"})
+    if refusal is not None and not force:
+        raise Refused(f"{refusal}; {alias} keeps its target (--force moves it anyway)")
+    return decision
 
 
 def _check_gate(gate: LiveGate | None, dry_run: bool) -> None:
@@ -120,13 +157,16 @@ def promote(
     config: Config, model: str, *, to_alias: str, version: int | None = None, from_alias: str | None = None,
     force: bool = False, trigger: str = "cli", actor: str | None = None, reason: str | None = None,
     dry_run: bool = False, progress: Callable[[int], None] | None = None, gate: LiveGate | None = None,
+    shadow_gate: ShadowGate | None = None,
 ) -> SyncReport:
     """Copy and verify the version's folder, then move `to_alias` to it, then sync (the alias moves only
     after the copy succeeded). Raises NotFound, Refused (invalid adapter, guardrail, live gate) or UsageProblem.
 
     The sync applies the guardrail for every trigger; it is checked here first only so that a refused
     promote leaves the registry alias where it was. `force` tags the version rlops.force (who, when).
-    `gate` (`--verify`): the live eval gate (see live_gate) runs before the alias moves."""
+    `gate` (`--verify`): the live eval gate (see live_gate) runs before the alias moves. `shadow_gate`
+    (`--require-shadow`, or configured for the alias): the version must be the alias's shadow with evidence that
+    it is not worse (check_shadow); the decision goes into the move's reason, and the shadow ends with the move."""
     _check_gate(gate, dry_run)
     promoter = Promoter(config, progress=progress)
     promoter.check_model(model)
@@ -145,10 +185,17 @@ def promote(
         losing = promoter.guard_refusal(model, version, served.version if served else None)
         if losing:
             raise Refused(f"{losing}; use --force to promote anyway (it tags the version {TAG_FORCE})")
+    shadow_gate = _shadow_gate(config, to_alias, shadow_gate)
+    if shadow_gate is not None:
+        decision = check_shadow(promoter, model, to_alias, version, shadow_gate, force=force, record=not dry_run)
+        reason = f"{reason}; {decision}" if reason else decision
     figures = gate and live_gate(promoter, model, to_alias, version, gate, force=force, trigger=trigger, actor=actor,
                                  reason=reason)
     report = _move_alias(promoter, model, to_alias, version, trigger=trigger, actor=actor, reason=reason,
                          dry_run=dry_run, override=f"promote --force --to {to_alias}" if guarded and force else None)
+    if shadow_gate is not None and not dry_run:  # the shadow became the target: its copies compare nothing now
+        registry.clear_shadow(promoter.mlflow, model, to_alias)
+        report = promoter.sync(model, trigger=trigger)
     report.verify = figures or None
     return report
 
@@ -579,18 +626,26 @@ def shadow_status(config: Config, model: str, *, alias: str | None = None) -> di
     alias = alias or config.registry.default_alias
     _served_alias(config, alias)
     manifest, _ = storage.read_manifest(promoter.dest, promoter.location, model)
+    shadow, found = _shadow_evidence(promoter, model, alias)
+    return {"model": model, "alias": alias, "primary_version": manifest.aliases[alias].version,
+            "shadow_version": shadow.version, "percent": shadow.percent, "since": shadow.promoted_at,
+            "summary": found.describe(), **asdict(found)}
+
+
+def _shadow_evidence(promoter: Promoter, model: str, alias: str) -> tuple[ShadowRoute, ShadowEvidence]:
+    """`alias`'s published shadow and the evidence of its pairs traced since it started."""
+    manifest, _ = storage.read_manifest(promoter.dest, promoter.location, model)
     shadow, primary = manifest.shadows.get(alias), manifest.aliases.get(alias)
     if shadow is None or primary is None:
         raise NotFound(f"{model}@{alias} has no shadow (promote shadow {model} --version N --percent P starts one)")
     since_ms = int(parse_time(shadow.promoted_at).timestamp() * 1000)
     sides = {}
     for role, version in (("primary", primary.version), ("shadow", shadow.version)):
-        experiment = registry.version_experiment_id(promoter.mlflow, model, version, config.serving.traces.experiment)
+        experiment = registry.version_experiment_id(promoter.mlflow, model, version,
+                                                    promoter.config.serving.traces.experiment)
         sides[role] = _pair_traces(promoter.mlflow, experiment, model, version, role, since_ms) if experiment else {}
     pairs = [(sides["primary"][pair], sides["shadow"][pair]) for pair in sides["shadow"] if pair in sides["primary"]]
-    found = evidence(pairs)
-    return {"model": model, "alias": alias, "primary_version": primary.version, "shadow_version": shadow.version,
-            "percent": shadow.percent, "since": shadow.promoted_at, "summary": found.describe(), **asdict(found)}
+    return shadow, evidence(pairs)
 
 
 def _pair_traces(client, experiment_id: str, model: str, version: int, role: str, since_ms: int) -> dict[str, Answer]:

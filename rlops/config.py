@@ -141,8 +141,19 @@ class CanaryConfig(_Section):
     slo: CanarySLO | None = Field(None, description="set: the hooks service watches canaries and aborts one on a breach")
 
 
+class ShadowGateConfig(_Section):
+    """`promote --require-shadow`: live evidence from a shadow before a version takes an alias (issue 31)."""
+
+    required_aliases: list[Alias] = Field(default_factory=list, description="moves to these aliases always need "
+                                          "the shadow evidence, as if --require-shadow were given")
+    min_pairs: int = Field(20, ge=1, description="scored pairs the shadow needs before a gated move")
+    max_p: float = Field(0.05, gt=0, lt=1, description="a shadow that loses more pairs than it wins with a sign-test "
+                         "p below this is refused")
+
+
 class RegistryConfig(_Section):
     models: list[RegistryName] = Field(default_factory=lambda: [DEFAULT_MODEL], min_length=1)
+    shadow: ShadowGateConfig = Field(default_factory=ShadowGateConfig)
     served_aliases: list[Alias] = Field(default_factory=lambda: ["production", "staging"], min_length=1)
     default_alias: str = "production"
 

@@ -55,49 +55,74 @@ def test_a_shadow_is_copied_published_reshared_and_stopped(stack, test_config, m
                       ("shadow_stopped", v2, v2, 0, "bo", "enough pairs")]
 
 
-def test_shadow_status_joins_the_pairs_traced_since_the_shadow_started(stack, test_config, lora_template, tmp_path):
-    """The pairs as the ingress writes them (TraceWriter, real MLflow): joined by pair id across the two
-    versions' traces, unscored answers compared for agreement, the shadow's errors and latency counted."""
+class AnswerScorer:
+    """Scores an answer by its text (`up` passes), as a task scorer would: the TraceWriter's scorer seam."""
+
+    source = "tests:AnswerScorer"
+
+    def score(self, payload):
+        from rlops.task import Outcome
+
+        text = payload.answer_text
+        return None if text is None or text == "unscored" else Outcome(id="x", passed=text == "up",
+                                                                        score=float(text == "up"))
+
+
+def write_pairs(config, model: str, primary: int, shadow: int, pairs: list[tuple[str, str, int, float]],
+                scored: bool = False) -> None:
+    """Each (primary answer, shadow answer, shadow status, shadow latency) as the ingress writes a pair:
+    two traces sharing the pair's id, through the real TraceWriter into the stack's MLflow."""
     import uuid
 
+    from rlops.layout import TRACE_TAG_SHADOW_PAIR, TRACE_TAG_SHADOW_ROLE
     from serving.trace_writer import TraceWriter, TraceWriterSettings
     from serving.traces import ServedRequest
-    from rlops.layout import TRACE_TAG_SHADOW_PAIR, TRACE_TAG_SHADOW_ROLE
-
-    model = test_config.registry.models[0]
-    v1, v2 = (register_version(test_config, write_adapter(lora_template, tmp_path / f"a{seed}", test_config, seed=seed),
-                               step=seed) for seed in (1, 2))
-    operations.promote(test_config, model, to_alias="production", version=v1)
-    with pytest.raises(NotFound, match="has no shadow"):
-        operations.shadow_status(test_config, model)
-    operations.shadow(test_config, model, version=v2, percent=50)
 
     counts: dict[str, int] = {}
-    writer = TraceWriter(TraceWriterSettings(sample_rate=0, content=True, queue_size=100, queue_mib=8,
+    writer = TraceWriter(TraceWriterSettings(sample_rate=0, content=True, queue_size=1000, queue_mib=8,
                                              experiment=f"shadow-{uuid.uuid4().hex[:6]}",
-                                             tracking_uri=test_config.tracking_uri),
-                         lambda outcome, n: counts.update({outcome: counts.get(outcome, 0) + n})).start()
+                                             tracking_uri=config.tracking_uri),
+                         lambda outcome, n: counts.update({outcome: counts.get(outcome, 0) + n}),
+                         AnswerScorer() if scored else None).start()
 
     def answer(text: str) -> bytes:
         return json.dumps({"id": uuid.uuid4().hex, "choices": [{"index": 0, "message": {"content": text}}]}).encode()
 
-    pairs = [("up", "up", 200, 5.0)] * 3 + [("up", "left", 200, 7.0)] * 2 + [("up", "", 500, 1.0)]
+    request = json.dumps({"messages": [{"role": "user", "content": "go"}]}).encode()
     for primary_text, shadow_text, shadow_status, shadow_ms in pairs:
         pair = uuid.uuid4().hex
-        request = json.dumps({"messages": [{"role": "user", "content": "go"}]}).encode()
         common = dict(endpoint="chat", registered_model=model, canary=False, client=None, started_ns=time.time_ns(),
                       ttft_ms=None, usage=None, request=request)
-        writer.offer(ServedRequest(model_name=f"b:{model}", alias="production", version=v1, latency_ms=4.0, status=200,
-                                   answer=answer(primary_text), tags={TRACE_TAG_SHADOW_PAIR: pair,
-                                                                      TRACE_TAG_SHADOW_ROLE: "primary"}, **common))
-        writer.offer(ServedRequest(model_name=f"b:{model}@v{v2}", alias=None, version=v2, latency_ms=shadow_ms,
-                                   status=shadow_status, answer=answer(shadow_text) if shadow_status == 200 else b"{}",
+        writer.offer(ServedRequest(model_name=f"b:{model}", alias="production", version=primary, latency_ms=4.0,
+                                   status=200, answer=answer(primary_text),
+                                   tags={TRACE_TAG_SHADOW_PAIR: pair, TRACE_TAG_SHADOW_ROLE: "primary"}, **common))
+        writer.offer(ServedRequest(model_name=f"b:{model}@v{shadow}", alias=None, version=shadow,
+                                   latency_ms=shadow_ms, status=shadow_status,
+                                   answer=answer(shadow_text) if shadow_status == 200 else b"{}",
                                    tags={TRACE_TAG_SHADOW_PAIR: pair, TRACE_TAG_SHADOW_ROLE: "shadow"}, **common))
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while counts.get("recorded", 0) < 2 * len(pairs) and time.monotonic() < deadline:
         time.sleep(0.5)
     writer.stop()
     assert counts.get("recorded") == 2 * len(pairs), counts
+
+
+def two_versions(test_config, lora_template, tmp_path) -> tuple[int, int]:
+    return tuple(register_version(test_config, write_adapter(lora_template, tmp_path / f"a{seed}", test_config,
+                                                             seed=seed), step=seed) for seed in (1, 2))
+
+
+def test_shadow_status_joins_the_pairs_traced_since_the_shadow_started(stack, test_config, lora_template, tmp_path):
+    """The pairs as the ingress writes them (TraceWriter, real MLflow): joined by pair id across the two
+    versions' traces, unscored answers compared for agreement, the shadow's errors and latency counted."""
+    model = test_config.registry.models[0]
+    v1, v2 = two_versions(test_config, lora_template, tmp_path)
+    operations.promote(test_config, model, to_alias="production", version=v1)
+    with pytest.raises(NotFound, match="has no shadow"):
+        operations.shadow_status(test_config, model)
+    operations.shadow(test_config, model, version=v2, percent=50)
+    write_pairs(test_config, model, v1, v2, [("up", "up", 200, 5.0)] * 3 + [("up", "left", 200, 7.0)] * 2
+                + [("up", "", 500, 1.0)])
 
     status = operations.shadow_status(test_config, model)
     assert (status["primary_version"], status["shadow_version"], status["percent"]) == (v1, v2, 50)
@@ -108,6 +133,38 @@ def test_shadow_status_joins_the_pairs_traced_since_the_shadow_started(stack, te
     assert "6 pairs" in status["summary"]
 
 
+def test_the_shadow_gate_refuses_a_worse_shadow_with_its_figures_and_passes_a_better_one(
+        stack, test_config, mlflow_client, lora_template, tmp_path):
+    from registry_hooks.operations import Refused, ShadowGate
+
+    model = test_config.registry.models[0]
+    v1, v2 = two_versions(test_config, lora_template, tmp_path)
+    operations.promote(test_config, model, to_alias="production", version=v1)
+    gate = ShadowGate(min_pairs=10, max_p=0.05)
+    with pytest.raises(NotFound, match="has no shadow"):
+        operations.promote(test_config, model, to_alias="production", version=v2, shadow_gate=gate)
+    operations.shadow(test_config, model, version=v2, percent=100)
+    write_pairs(test_config, model, v1, v2, [("up", "left", 200, 5.0)] * 9 + [("left", "up", 200, 5.0)], scored=True)
+    with pytest.raises(Refused, match=r"worse on live traffic: 10 pairs: shadow 1 wins, 9 losses, 0 ties"):
+        operations.promote(test_config, model, to_alias="production", version=v2, shadow_gate=gate)
+    assert mlflow_client.get_model_version_by_alias(model, "production").version == str(v1)  # nothing moved
+    assert "shadow gate refused" in mlflow_client.get_model_version(model, str(v2)).tags["rlops.shadow_gate"]
+    with pytest.raises(Refused, match="is not the shadow"):
+        operations.promote(test_config, model, to_alias="production", version=v1, shadow_gate=gate)
+
+    operations.shadow(test_config, model, stop=True)  # started again: the evidence counts from then on
+    operations.shadow(test_config, model, version=v2, percent=100)
+    write_pairs(test_config, model, v1, v2, [("left", "up", 200, 5.0)] * 8 + [("up", "up", 200, 5.0)] * 4,
+                scored=True)
+    report = operations.promote(test_config, model, to_alias="production", version=v2, shadow_gate=gate,
+                                reason="live pairs")
+    assert report.served["production"] == v2 and report.shadows == {}  # the shadow ended with the move
+    entry = assert_manifest_consistent(stack, test_config).history[-2]
+    assert (entry.event, entry.version) == ("move", v2)
+    assert entry.reason.startswith("live pairs; shadow gate passed: 12 pairs: shadow 8 wins, 0 losses, 4 ties")
+    assert "production-shadow" not in mlflow_client.get_registered_model(model).aliases
+
+
 def test_promote_shadow_cli_start_status_history_stop_and_usage_errors(stack, test_config, lora_template, tmp_path):
     from click.testing import CliRunner
 
@@ -115,8 +172,7 @@ def test_promote_shadow_cli_start_status_history_stop_and_usage_errors(stack, te
     from registry_hooks.cli import main as promote_cli
 
     model = test_config.registry.models[0]
-    v1, v2 = (register_version(test_config, write_adapter(lora_template, tmp_path / f"a{seed}", test_config, seed=seed),
-                               step=seed) for seed in (1, 2))
+    v1, v2 = two_versions(test_config, lora_template, tmp_path)
     path = write_config(tmp_path / "mlflow.yaml", test_config.model_dump(exclude_none=True))
 
     def cli(*args: str):
