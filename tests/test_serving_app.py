@@ -1201,5 +1201,8 @@ def test_a_shadow_gets_copies_its_answers_never_reach_clients_and_each_pair_is_t
             assert pair["shadow"].info.tags["rlops.model_name"] == served.name("@v2")
             assert "lora-serving" not in pair["shadow"].to_json()  # no folder or bucket in the shadow's trace
             assert {a.name for a in pair["shadow"].info.assessments} == {"task_score", "task_passed"}
+        status = operations.shadow_status(served.config, served.model)
+        assert status["pairs"] >= len(items) and status["shadow_version"] == 2, status
+        print(status["summary"])
     finally:
         operations.shadow(served.config, served.model, stop=True, actor="test")
