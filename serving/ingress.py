@@ -506,15 +506,16 @@ class AliasIngress(OpenAiIngress):
             self._traces = TraceWriter(traces, self._metrics.count_traces, task_scorer(traces)).start()
         pair, primary = uuid.uuid4().hex, job.primary
         common = dict(endpoint=job.endpoint, registered_model=primary.ref.model, canary=False, client=job.client,
-                      started_ns=job.started_ns, ttft_ms=None, usage=None, request=job.request)
+                      started_ns=job.started_ns, request=job.request)
         self._traces.offer(ServedRequest(
             model_name=primary.ref.raw, alias=primary.alias, version=primary.version, latency_ms=job.primary_latency_ms,
-            status=job.primary_status, answer=job.primary_answer, stream=job.stream,
+            ttft_ms=job.primary_ttft_ms, usage=job.primary_usage, status=job.primary_status,
+            answer=job.primary_answer, stream=job.stream,
             tags={TRACE_TAG_SHADOW_PAIR: pair, TRACE_TAG_SHADOW_ROLE: "primary"}, **common))
         self._traces.offer(ServedRequest(
             model_name=self._shadow_name(job), alias=None, version=job.shadow_version, latency_ms=answer.latency_ms,
-            status=answer.status, answer=answer.answer, tags={TRACE_TAG_SHADOW_PAIR: pair, TRACE_TAG_SHADOW_ROLE: "shadow"},
-            **common))
+            ttft_ms=None, usage=None, status=answer.status, answer=answer.answer,
+            tags={TRACE_TAG_SHADOW_PAIR: pair, TRACE_TAG_SHADOW_ROLE: "shadow"}, **common))
 
     def _settle(self, charge: Charge | None, usage: tuple[int, int] | None) -> None:
         if charge is not None and usage is not None:
@@ -600,15 +601,17 @@ class AliasIngress(OpenAiIngress):
                 first_byte: float | None = None, usage: tuple[int, int] | None = None, sample: Sampled | None = None,
                 answer: bytes | list = b"", copy: Copy | None = None) -> None:
         latency_ms = (time.perf_counter() - started) * 1000
-        if copy is not None and resolution is not None and status != 499:  # a client that left compares nothing
+        ttft_ms = (first_byte - started) * 1000 if first_byte is not None else None
+        copied = copy is not None and resolution is not None and status != 499  # a client that left compares nothing
+        if copied:
             self._shadows.offer(ShadowJob(
                 endpoint=endpoint, body=copy.body, primary=resolution, shadow_version=copy.route.version,
                 shadow_folder=copy.route.folder, request=copy.raw, client=copy.client, primary_status=status,
-                primary_answer=answer, primary_latency_ms=latency_ms, started_ns=copy.started_ns, stream=stream))
-        ttft_ms = (first_byte - started) * 1000 if first_byte is not None else None
+                primary_answer=answer, primary_latency_ms=latency_ms, started_ns=copy.started_ns, stream=stream,
+                primary_ttft_ms=ttft_ms, primary_usage=usage))
         self._metrics.record(resolution, endpoint, status, latency_ms, ttft_ms=ttft_ms, usage=usage)
         ref = resolution.ref if resolution else None
-        if sample is not None and resolution is not None:
+        if sample is not None and resolution is not None and not copied:  # a copied request: its pair traces it
             self._traces.offer(ServedRequest(
                 endpoint=endpoint, model_name=ref.raw, registered_model=ref.model, alias=resolution.alias,
                 version=resolution.version, canary=resolution.canary, client=sample.client,

@@ -41,6 +41,8 @@ class ShadowJob:
     primary_latency_ms: float
     started_ns: int
     stream: bool = False
+    primary_ttft_ms: float | None = None
+    primary_usage: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

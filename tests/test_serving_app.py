@@ -1186,7 +1186,7 @@ def test_a_shadow_gets_copies_its_answers_never_reach_clients_and_each_pair_is_t
         query = f"tags.`rlops.client` = '{client_hash('user:' + user)}'"
         deadline, found = time.monotonic() + 90, []
         while time.monotonic() < deadline:
-            found = traces_of(served, query)
+            found = traces_of(served, query)  # every request is sampled here: a copied one is traced by its pair
             if len(found) == 2 * len(items) and all(len(t.info.assessments) == 2 for t in found):
                 break
             time.sleep(1)
