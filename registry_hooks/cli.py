@@ -262,13 +262,14 @@ def to_command(ctx, model, to_alias, version, from_alias, force, reason, verify,
               "with --verify, past the live eval gate.")
 @reason_option
 @verify_option
+@shadow_gate_options
 @endpoint_option
 @wait_options
 @dry_run_option
 @json_option
 @click.pass_context
-def canary_command(ctx, model, alias, version, weight, promote_it, abort, force, reason, verify, endpoint, wait,
-                   wait_timeout, dry_run, as_json) -> None:
+def canary_command(ctx, model, alias, version, weight, promote_it, abort, force, reason, verify, require_shadow,
+                   min_pairs, max_p, endpoint, wait, wait_timeout, dry_run, as_json) -> None:
     """Send W percent of ALIAS's clients (sticky per client) to version N; then --promote or --abort."""
     from registry_hooks import operations
 
@@ -279,7 +280,8 @@ def canary_command(ctx, model, alias, version, weight, promote_it, abort, force,
     with handled(as_json), progress_bar(not as_json) as progress:
         report = operations.canary(config, model, alias=alias, version=version, weight=weight, promote_it=promote_it,
                                    abort=abort, force=force, actor=actor(config), reason=reason, dry_run=dry_run,
-                                   progress=progress, gate=live_gate(config, verify, endpoint, wait_timeout))
+                                   progress=progress, gate=live_gate(config, verify, endpoint, wait_timeout),
+                                   shadow_gate=shadow_gate_of(config, require_shadow, min_pairs, max_p))
         if wait and not dry_run:
             wait_for(config, report, alias, canary=version is not None, timeout_s=wait_timeout)
     _print_report(report, as_json)

@@ -93,6 +93,15 @@ def check_shadow(promoter: Promoter, model: str, alias: str, version: int, gate:
     return decision
 
 
+def _gate_shadow(promoter: Promoter, model: str, alias: str, version: int, gate: ShadowGate | None, *,
+                 force: bool, dry_run: bool, reason: str | None) -> str | None:
+    """check_shadow where a gate applies; returns the move's reason with the decision added."""
+    if gate is None:
+        return reason
+    decision = check_shadow(promoter, model, alias, version, gate, force=force, record=not dry_run)
+    return f"{reason}; {decision}" if reason else decision
+
+
 def _check_gate(gate: LiveGate | None, dry_run: bool) -> None:
     if gate is not None and dry_run:
         raise UsageProblem("--verify publishes the candidate as @v<N> and evaluates it live; --dry-run changes "
@@ -167,6 +176,18 @@ def promote(
     `gate` (`--verify`): the live eval gate (see live_gate) runs before the alias moves. `shadow_gate`
     (`--require-shadow`, or configured for the alias): the version must be the alias's shadow with evidence that
     it is not worse (check_shadow); the decision goes into the move's reason, and the shadow ends with the move."""
+    return _promote(config, model, to_alias=to_alias, version=version, from_alias=from_alias, force=force,
+                    trigger=trigger, actor=actor, reason=reason, dry_run=dry_run, progress=progress, gate=gate,
+                    shadow_gate=_shadow_gate(config, to_alias, shadow_gate))
+
+
+def _promote(
+    config: Config, model: str, *, to_alias: str, version: int | None, from_alias: str | None, force: bool,
+    trigger: str, actor: str | None, reason: str | None, dry_run: bool, progress: Callable[[int], None] | None,
+    gate: LiveGate | None, shadow_gate: ShadowGate | None,
+) -> SyncReport:
+    """promote() with the shadow gate as given: the configured one is not added (a canary's promotion passed
+    it when the canary started)."""
     _check_gate(gate, dry_run)
     promoter = Promoter(config, progress=progress)
     promoter.check_model(model)
@@ -185,19 +206,24 @@ def promote(
         losing = promoter.guard_refusal(model, version, served.version if served else None)
         if losing:
             raise Refused(f"{losing}; use --force to promote anyway (it tags the version {TAG_FORCE})")
-    shadow_gate = _shadow_gate(config, to_alias, shadow_gate)
-    if shadow_gate is not None:
-        decision = check_shadow(promoter, model, to_alias, version, shadow_gate, force=force, record=not dry_run)
-        reason = f"{reason}; {decision}" if reason else decision
+    reason = _gate_shadow(promoter, model, to_alias, version, shadow_gate, force=force, dry_run=dry_run,
+                          reason=reason)
     figures = gate and live_gate(promoter, model, to_alias, version, gate, force=force, trigger=trigger, actor=actor,
                                  reason=reason)
     report = _move_alias(promoter, model, to_alias, version, trigger=trigger, actor=actor, reason=reason,
                          dry_run=dry_run, override=f"promote --force --to {to_alias}" if guarded and force else None)
-    if shadow_gate is not None and not dry_run:  # the shadow became the target: its copies compare nothing now
-        registry.clear_shadow(promoter.mlflow, model, to_alias)
-        report = promoter.sync(model, trigger=trigger)
+    report = _end_gated_shadow(promoter, model, to_alias, shadow_gate, dry_run, report, trigger)
     report.verify = figures or None
     return report
+
+
+def _end_gated_shadow(promoter: Promoter, model: str, alias: str, gate: ShadowGate | None, dry_run: bool,
+                      report: SyncReport, trigger: str) -> SyncReport:
+    """After a gated move the shadow answers clients: its copies would compare nothing, so it ends."""
+    if gate is None or dry_run:
+        return report
+    registry.clear_shadow(promoter.mlflow, model, alias)
+    return promoter.sync(model, trigger=trigger)
 
 
 def _move_alias(promoter: Promoter, model: str, alias: str, version: int, *, trigger: str, actor: str | None,
@@ -283,15 +309,22 @@ def _forget_move(promoter: Promoter, model: str, key: str, note: MoveNote, repor
 def canary(config: Config, model: str, *, alias: str | None = None, version: int | None = None,
            weight: float | None = None, promote_it: bool = False, abort: bool = False, force: bool = False,
            trigger: str = "cli", actor: str | None = None, reason: str | None = None, dry_run: bool = False,
-           progress: Callable[[int], None] | None = None, gate: LiveGate | None = None) -> SyncReport:
+           progress: Callable[[int], None] | None = None, gate: LiveGate | None = None,
+           shadow_gate: ShadowGate | None = None) -> SyncReport:
     """Start (or reweight) a canary of `alias`: `weight` percent of its clients get `version` (its folder is
     copied and verified first, then the registry gets the `<alias>-canary` alias and the weight tag, then a
     sync publishes it). `promote_it`: the alias moves to the canary (guardrail as for promote) and the canary
     intent goes; `abort`: the canary intent goes, the alias keeps its target. `gate` (`--verify`, not with
-    `abort`): the live eval gate (see live_gate) runs on the candidate before the registry changes."""
+    `abort`): the live eval gate (see live_gate) runs on the candidate before the registry changes.
+    `shadow_gate` (`--require-shadow`, or configured for the alias): checked when the canary starts, as for
+    promote; the shadow then ends (the canary answers clients from then on), and `--promote` does not ask for it
+    again."""
     _check_gate(gate, dry_run)
     if gate is not None and abort:
         raise UsageProblem("--verify gates a move to a version; --abort moves nothing")
+    if shadow_gate is not None and version is None:
+        raise UsageProblem("--require-shadow gates the start of a canary (--version N): its shadow's pairs are the "
+                           "evidence, and the shadow ends when the canary starts")
     promoter = Promoter(config, progress=progress)
     promoter.check_model(model)
     alias = alias or config.registry.default_alias
@@ -308,8 +341,9 @@ def canary(config: Config, model: str, *, alias: str | None = None, version: int
             return _drop_intent(promoter, model, canary_alias(alias), candidate,
                                 lambda: registry.clear_canary(promoter.mlflow, model, alias),
                                 trigger=trigger, actor=actor, reason=reason, dry_run=dry_run)
-        report = promote(config, model, to_alias=alias, version=candidate, force=force, trigger=trigger, actor=actor,
-                         reason=reason, dry_run=dry_run, progress=progress, gate=gate)
+        report = _promote(config, model, to_alias=alias, version=candidate, from_alias=None, force=force,
+                          trigger=trigger, actor=actor, reason=reason, dry_run=dry_run, progress=progress, gate=gate,
+                          shadow_gate=None)
         if not dry_run:
             registry.clear_canary(promoter.mlflow, model, alias)
             figures, report = report.verify, promoter.sync(model, trigger=trigger)
@@ -323,11 +357,14 @@ def canary(config: Config, model: str, *, alias: str | None = None, version: int
         raise NotFound(f"{model}@{alias} is not set: a canary splits an alias's traffic, so the alias needs a target")
     if intent[alias] == version:
         raise UsageProblem(f"{model}@{alias} already serves v{version}")
+    shadow_gate = _shadow_gate(config, alias, shadow_gate)
+    reason = _gate_shadow(promoter, model, alias, version, shadow_gate, force=force, dry_run=dry_run, reason=reason)
     figures = gate and live_gate(promoter, model, alias, version, gate, force=force, trigger=trigger, actor=actor,
                                  reason=reason)
     report = _move_alias(promoter, model, alias, version, trigger=trigger, actor=actor, reason=reason, dry_run=dry_run,
                          set_intent=lambda: registry.set_canary(promoter.mlflow, model, alias, version, weight),
                          key=canary_alias(alias))
+    report = _end_gated_shadow(promoter, model, alias, shadow_gate, dry_run, report, trigger)
     report.verify = figures or None
     return report
 

@@ -144,8 +144,9 @@ class CanaryConfig(_Section):
 class ShadowGateConfig(_Section):
     """`promote --require-shadow`: live evidence from a shadow before a version takes an alias (issue 31)."""
 
-    required_aliases: list[Alias] = Field(default_factory=list, description="moves to these aliases always need "
-                                          "the shadow evidence, as if --require-shadow were given")
+    required_aliases: list[Alias] = Field(default_factory=list, description="moves to these aliases, and canaries "
+                                          "of them, always need the shadow evidence, as if --require-shadow were "
+                                          "given")
     min_pairs: int = Field(20, ge=1, description="scored pairs the shadow needs before a gated move")
     max_p: float = Field(0.05, gt=0, lt=1, description="a shadow that loses more pairs than it wins with a sign-test "
                          "p below this is refused")

@@ -165,6 +165,36 @@ def test_the_shadow_gate_refuses_a_worse_shadow_with_its_figures_and_passes_a_be
     assert "production-shadow" not in mlflow_client.get_registered_model(model).aliases
 
 
+def test_a_canary_start_passes_the_shadow_gate_its_alias_requires_and_its_promotion_is_not_asked_again(
+        stack, test_config, mlflow_client, lora_template, tmp_path):
+    from registry_hooks.operations import Refused, ShadowGate
+    from rlops.config import ShadowGateConfig
+
+    model = test_config.registry.models[0]
+    v1, v2 = two_versions(test_config, lora_template, tmp_path)
+    operations.promote(test_config, model, to_alias="production", version=v1)
+    required = ShadowGateConfig(required_aliases=["production"], min_pairs=5)
+    config = test_config.model_copy(update={"registry": test_config.registry.model_copy(update={"shadow": required})})
+    with pytest.raises(NotFound, match="has no shadow"):
+        operations.canary(config, model, version=v2, weight=10)
+    with pytest.raises(UsageProblem, match="gates the start of a canary"):
+        operations.canary(config, model, abort=True, shadow_gate=ShadowGate(5, 0.05))
+    operations.shadow(config, model, version=v2, percent=50)
+    write_pairs(config, model, v1, v2, [("left", "up", 200, 5.0)] * 2, scored=True)
+    with pytest.raises(Refused, match=r"only 2 scored shadow pairs, 5 required"):
+        operations.canary(config, model, version=v2, weight=10)
+    assert "production-canary" not in mlflow_client.get_registered_model(model).aliases  # nothing moved
+    write_pairs(config, model, v1, v2, [("left", "up", 200, 5.0)] * 3, scored=True)
+
+    report = operations.canary(config, model, version=v2, weight=10, reason="pairs won")
+    assert report.canaries == {"production": {"version": v2, "weight": 10}} and report.shadows == {}
+    started = next(e for e in reversed(assert_manifest_consistent(stack, test_config).history) if e.event == "canary")
+    assert started.reason.startswith("pairs won; shadow gate passed: 5 pairs: shadow 5 wins, 0 losses"), started
+    assert "shadow gate passed" in mlflow_client.get_model_version(model, str(v2)).tags["rlops.shadow_gate"]
+    report = operations.canary(config, model, promote_it=True)  # the canary's own start was the gate
+    assert report.served["production"] == v2 and report.canaries == {}
+
+
 def test_promote_shadow_cli_start_status_history_stop_and_usage_errors(stack, test_config, lora_template, tmp_path):
     from click.testing import CliRunner
 
@@ -197,5 +227,9 @@ def test_promote_shadow_cli_start_status_history_stop_and_usage_errors(stack, te
     assert cli("shadow", model, "--stop", "--reason", "enough")[0] == 0
     code, _, err = cli("shadow", "status", model)
     assert code == 3 and "has no shadow" in err
+    code, _, err = cli("canary", model, "--version", str(v2), "--weight", "10", "--require-shadow")
+    assert code == 3 and "has no shadow" in err
+    code, _, err = cli("canary", model, "--abort", "--require-shadow")
+    assert code == 2 and "gates the start of a canary" in err
     code, out, _ = cli("history", model)
     assert code == 0 and f"shadow v{v2} at 25% (beside v{v1})" in out and f"shadow v{v2} stopped" in out
