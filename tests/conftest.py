@@ -388,7 +388,7 @@ def offline_inputs(processor, with_image: bool):
     return processor(text=[prompt], images=[maze_image()] if with_image else None, return_tensors="pt")
 
 
-def train_adapter(base_dir: Path, out: Path, target: str, seed: int) -> Path:
+def train_adapter(base_dir: Path, out: Path, target: str, seed: int, steps: int = 15) -> Path:
     """A few Adam steps of LoRA on the tiny base towards `target`, on a text and an image prompt."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -412,7 +412,7 @@ def train_adapter(base_dir: Path, out: Path, target: str, seed: int) -> Path:
         labels[:, : prompt_inputs["input_ids"].shape[1]] = -100
         batches.append((inputs, labels))
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-2)
-    for _ in range(15):
+    for _ in range(steps):
         for inputs, labels in batches:
             model(**inputs, labels=labels).loss.backward()
         optimizer.step()

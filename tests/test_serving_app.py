@@ -1206,3 +1206,65 @@ def test_a_shadow_gets_copies_its_answers_never_reach_clients_and_each_pair_is_t
         print(status["summary"])
     finally:
         operations.shadow(served.config, served.model, stop=True, actor="test")
+
+
+def test_the_shadow_gate_on_the_engine_refuses_a_worse_candidate_with_its_figures_and_passes_a_better_one(
+        served: ServedApp, tmp_path):
+    """Issue 31 on the real engine: clients send one maze. With staging at a version trained to answer its
+    solution, v2 (which cannot solve it) shadows staging, loses every scored pair and is refused with its figures;
+    with staging back at v2, the solver shadows it, wins every pair and passes the gate into staging. Clients
+    only ever get the primary's answer and version."""
+    from registry_hooks import operations
+    from registry_hooks.operations import Refused, ShadowGate
+    from tasks.maze.env import answer_text, generate_maze, solve
+
+    solution = answer_text(solve(generate_maze(seed=3, size=9)))  # the maze of maze_image(), 13 words
+    solver = register_adapter(served.config, train_adapter(served.base_dir, tmp_path / "solver", solution, seed=7,
+                                                          steps=70),  # 15 steps: no `stop`
+                              step=9)
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(maze_image())}},
+        {"type": "text", "text": TEXT_PROMPT}]}]
+    client, gate, config, model = served.openai(), ShadowGate(min_pairs=8, max_p=0.05), served.config, served.model
+
+    def shadow_pairs(primary: int, candidate: int) -> dict:
+        """`candidate` shadows staging (at `primary`) for min_pairs requests; the scored evidence."""
+        operations.shadow(config, model, alias="staging", version=candidate, percent=100, actor="test")
+        time.sleep(2 * STALENESS_S)  # the ingress has read the shadow
+        for i in range(gate.min_pairs):
+            raw = client.chat.completions.with_raw_response.create(
+                model=served.name("@staging"), messages=messages, temperature=0, max_tokens=24, user=f"gate-{i}")
+            assert raw.headers["x-rlops-model-version"] == str(primary)
+            answered = raw.parse().choices[0].message.content
+            assert (answered.strip() == solution) == (primary == solver), answered  # never the shadow's answer
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            status = operations.shadow_status(config, model, alias="staging")
+            if status["wins"] + status["losses"] + status["ties"] >= gate.min_pairs:
+                return status
+            time.sleep(1)
+        raise AssertionError(f"the pairs were not all scored in time: {status['summary']}; {trace_metrics(served)}")
+
+    try:
+        served.move_alias("staging", solver)
+        worse = shadow_pairs(primary=solver, candidate=2)
+        assert (worse["wins"], worse["losses"]) == (0, gate.min_pairs), worse["summary"]
+        with pytest.raises(Refused, match=rf"the shadow is worse on live traffic: {gate.min_pairs} pairs: shadow 0 "
+                                          rf"wins, {gate.min_pairs} losses, 0 ties \(p worse=0.0039\)") as refused:
+            operations.promote(config, model, to_alias="staging", version=2, shadow_gate=gate, actor="test")
+        assert operations.shadow_status(config, model, alias="staging")["primary_version"] == solver  # nothing moved
+        operations.shadow(config, model, alias="staging", stop=True, actor="test")
+
+        served.move_alias("staging", 2)
+        better = shadow_pairs(primary=2, candidate=solver)
+        assert (better["wins"], better["losses"]) == (gate.min_pairs, 0), better["summary"]
+        report = operations.promote(config, model, to_alias="staging", version=solver, shadow_gate=gate, actor="test")
+        assert report.served["staging"] == solver and report.shadows == {}
+        moved = [e for e in operations.history(config, model, alias="staging") if e["event"] == "move"][-1]
+        assert moved["version"] == solver and moved["reason"].startswith(
+            f"shadow gate passed: {gate.min_pairs} pairs: shadow {gate.min_pairs} wins")
+        print(f"\nshadow gate on the engine: refused v2: {refused.value}; passed v{solver}: {better['summary']}")
+    finally:
+        with contextlib.suppress(operations.NotFound):
+            operations.shadow(config, model, alias="staging", stop=True, actor="test")
+        served.move_alias("staging", 2)
