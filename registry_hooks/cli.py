@@ -196,8 +196,9 @@ def main(ctx: click.Context, config_path: str | None) -> None:
       promote MODEL --from staging --to production
 
     Exit codes: 0 done, 1 error, 2 usage, 3 unknown model/version/alias, 4 refused (invalid adapter, eval
-    guardrail, or the live eval gate of --verify), 5 no convergence, 6 status found drift or refusals,
-    7 verify found served answers that differ from the tracked eval, 8 MLflow denied the move (permissions).
+    guardrail, the live eval gate of --verify, or the shadow gate of --require-shadow), 5 no convergence,
+    6 status found drift or refusals, 7 verify found served answers that differ from the tracked eval,
+    8 MLflow denied the move (permissions).
     """
     ctx.obj = config_path
 
