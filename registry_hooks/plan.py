@@ -46,28 +46,25 @@ class Intent(dict):
     __hash__ = None  # type: ignore[assignment]
 
 
-def canary_targets(intent: Mapping[str, int]) -> dict[str, tuple[int, float]]:
-    """alias -> (canary version, weight) for the canaries a manifest can serve: weight set, the alias intended,
-    and a version other than the alias's own (a canary that is the target already is simply done)."""
-    weights = getattr(intent, "weights", {})
+def _beside_targets(intent: Mapping[str, int], suffix: str, shares: Mapping[str, float]) -> dict[str, tuple[int, float]]:
+    """alias -> (version, share) for the `<alias><suffix>` keys a manifest can serve: share set, the alias
+    intended, and a version other than the alias's own."""
     out = {}
     for key, version in intent.items():
-        alias = key[: -len(CANARY_SUFFIX)] if key.endswith(CANARY_SUFFIX) else None
-        if alias and alias in weights and alias in intent and intent[alias] != version:
-            out[alias] = (version, weights[alias])
+        alias = key[: -len(suffix)] if key.endswith(suffix) else None
+        if alias and alias in shares and alias in intent and intent[alias] != version:
+            out[alias] = (version, shares[alias])
     return out
+
+
+def canary_targets(intent: Mapping[str, int]) -> dict[str, tuple[int, float]]:
+    """alias -> (canary version, weight); a canary that is the alias's target already is simply done."""
+    return _beside_targets(intent, CANARY_SUFFIX, getattr(intent, "weights", {}))
 
 
 def shadow_targets(intent: Mapping[str, int]) -> dict[str, tuple[int, float]]:
-    """alias -> (shadow version, percent) for the shadows a manifest can serve: percent set, the alias intended,
-    and a version other than the alias's own (shadowing the answering version compares nothing)."""
-    percents = getattr(intent, "percents", {})
-    out = {}
-    for key, version in intent.items():
-        alias = key[: -len(SHADOW_SUFFIX)] if key.endswith(SHADOW_SUFFIX) else None
-        if alias and alias in percents and alias in intent and intent[alias] != version:
-            out[alias] = (version, percents[alias])
-    return out
+    """alias -> (shadow version, percent); shadowing the answering version would compare nothing."""
+    return _beside_targets(intent, SHADOW_SUFFIX, getattr(intent, "percents", {}))
 
 
 def served_targets(manifest: RoutesManifest) -> dict[str, int]:
@@ -112,7 +109,6 @@ def next_manifest(
     """
     held = held or {}
     aliases: dict[str, AliasRoute] = {}
-    canaries: dict[str, CanaryRoute] = {}
     refused: dict[str, Refusal] = {}
     history = list(old.history)
     notes: Mapping[str, MoveNote] = getattr(intent, "notes", {})
@@ -151,41 +147,36 @@ def next_manifest(
             event = "canary_promoted" if was_canary is not None and was_canary.version == version else "move"
             history.append(HistoryEntry(alias=alias, version=version, event=event,
                                         from_version=current.version if current else None, **said(alias, version)))
-    for alias, (version, weight) in sorted(canary_targets(intent).items()):
-        current = old.canaries.get(alias)
-        baseline = aliases.get(alias)
-        route = target(canary_alias(alias), version, current)
-        if route is None or baseline is None or baseline.version == route.version:
-            continue
-        canary = CanaryRoute(**{**route.model_dump(), "weight": weight}) if route is not current else current
-        if route is current and current.weight != weight:
-            canary = current.model_copy(update={"weight": weight})
-        canaries[alias] = canary
-        if canary is not current:
-            history.append(HistoryEntry(alias=alias, version=version, event="canary", weight=weight,
-                                        from_version=baseline.version, **said(canary_alias(alias), version)))
-    for alias, gone in sorted(old.canaries.items()):
-        if alias not in canaries and (alias not in aliases or aliases[alias].version != gone.version):
-            history.append(HistoryEntry(alias=alias, version=gone.version, event="canary_aborted", weight=0,
-                                        from_version=gone.version, **said(canary_alias(alias), None)))
-    shadows: dict[str, ShadowRoute] = {}
-    for alias, (version, percent) in sorted(shadow_targets(intent).items()):
-        current = old.shadows.get(alias)
-        baseline = aliases.get(alias)
-        route = target(shadow_alias(alias), version, current)
-        if route is None or baseline is None or baseline.version == route.version:
-            continue
-        shadow = ShadowRoute(**{**route.model_dump(), "percent": percent}) if route is not current else current
-        if route is current and current.percent != percent:
-            shadow = current.model_copy(update={"percent": percent})
-        shadows[alias] = shadow
-        if shadow is not current:
-            history.append(HistoryEntry(alias=alias, version=version, event="shadow", weight=percent,
-                                        from_version=baseline.version, **said(shadow_alias(alias), version)))
-    for alias, gone in sorted(old.shadows.items()):
-        if alias not in shadows:
-            history.append(HistoryEntry(alias=alias, version=gone.version, event="shadow_stopped", weight=0,
-                                        from_version=gone.version, **said(shadow_alias(alias), None)))
+    def beside(targets: Mapping[str, tuple[int, float]], before: Mapping, key_of, share: str, route_type: type,
+               started: str, ended: str, promoted_is_ended: bool) -> dict:
+        """The canaries or shadows published beside `aliases` (their `share` field set from the intent) with
+        their history: `started` on a new version or share, `ended` for one gone (a canary that became its
+        alias's target was promoted, not aborted: `promoted_is_ended` False)."""
+        routes = {}
+        for alias, (version, value) in sorted(targets.items()):
+            current, baseline = before.get(alias), aliases.get(alias)
+            route = target(key_of(alias), version, current)
+            if route is None or baseline is None or baseline.version == route.version:
+                continue
+            if route is not current:
+                route = route_type(**{**route.model_dump(), share: value})
+            elif getattr(current, share) != value:
+                route = current.model_copy(update={share: value})
+            routes[alias] = route
+            if route is not current:
+                history.append(HistoryEntry(alias=alias, version=version, event=started, weight=value,
+                                            from_version=baseline.version, **said(key_of(alias), version)))
+        for alias, gone in sorted(before.items()):
+            promoted = alias in aliases and aliases[alias].version == gone.version
+            if alias not in routes and (promoted_is_ended or not promoted):
+                history.append(HistoryEntry(alias=alias, version=gone.version, event=ended, weight=0,
+                                            from_version=gone.version, **said(key_of(alias), None)))
+        return routes
+
+    canaries = beside(canary_targets(intent), old.canaries, canary_alias, "weight", CanaryRoute, "canary",
+                      "canary_aborted", promoted_is_ended=False)
+    shadows = beside(shadow_targets(intent), old.shadows, shadow_alias, "percent", ShadowRoute, "shadow",
+                     "shadow_stopped", promoted_is_ended=True)
     owner = owner or old.owner
     if (aliases == old.aliases and canaries == old.canaries and shadows == old.shadows and refused == old.refused
             and owner == old.owner):
