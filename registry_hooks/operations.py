@@ -325,14 +325,9 @@ def canary(config: Config, model: str, *, alias: str | None = None, version: int
     if shadow_gate is not None and version is None:
         raise UsageProblem("--require-shadow gates the start of a canary (--version N): its shadow's pairs are the "
                            "evidence, and the shadow ends when the canary starts")
-    promoter = Promoter(config, progress=progress)
-    promoter.check_model(model)
-    alias = alias or config.registry.default_alias
-    _served_alias(config, alias)
     if sum([version is not None, promote_it, abort]) != 1:
         raise UsageProblem("give exactly one of --version N (with --weight W), --promote or --abort")
-    _lookup(registry.require_model, promoter.mlflow, model)
-    intent = registry.read_intent(promoter.mlflow, model, config.registry.served_aliases) or {}
+    promoter, alias, intent = _beside_intent(config, model, alias, progress)
     candidate = intent.get(canary_alias(alias))
     if promote_it or abort:
         if candidate is None:
@@ -352,11 +347,7 @@ def canary(config: Config, model: str, *, alias: str | None = None, version: int
     if weight is None or not 0 < weight < 100:
         raise UsageProblem("--weight must be a percent strictly between 0 and 100 (100 is --promote)")
     assert version is not None
-    _lookup(registry.version_source, promoter.mlflow, model, version)
-    if intent.get(alias) is None:
-        raise NotFound(f"{model}@{alias} is not set: a canary splits an alias's traffic, so the alias needs a target")
-    if intent[alias] == version:
-        raise UsageProblem(f"{model}@{alias} already serves v{version}")
+    _check_beside(promoter, model, alias, version, intent, "a canary splits an alias's traffic")
     shadow_gate = _shadow_gate(config, alias, shadow_gate)
     reason = _gate_shadow(promoter, model, alias, version, shadow_gate, force=force, dry_run=dry_run, reason=reason)
     figures = gate and live_gate(promoter, model, alias, version, gate, force=force, trigger=trigger, actor=actor,
@@ -377,14 +368,9 @@ def shadow(config: Config, model: str, *, alias: str | None = None, version: int
     `version`, whose answers are never returned (its folder is copied and verified first, then the registry
     gets the `<alias>-shadow` alias and the percent tag, then a sync publishes it). `stop`: the shadow intent
     goes. A shadow answers no client, so the eval guardrail does not apply to it."""
-    promoter = Promoter(config, progress=progress)
-    promoter.check_model(model)
-    alias = alias or config.registry.default_alias
-    _served_alias(config, alias)
     if (version is not None) == stop:
         raise UsageProblem("give exactly one of --version N (with --percent P) or --stop")
-    _lookup(registry.require_model, promoter.mlflow, model)
-    intent = registry.read_intent(promoter.mlflow, model, config.registry.served_aliases) or {}
+    promoter, alias, intent = _beside_intent(config, model, alias, progress)
     key = shadow_alias(alias)
     if stop:
         if intent.get(key) is None:
@@ -395,13 +381,29 @@ def shadow(config: Config, model: str, *, alias: str | None = None, version: int
     if percent is None or not 0 < percent <= 100:
         raise UsageProblem("--percent must be a share of the alias's requests above 0 and at most 100")
     assert version is not None
-    _lookup(registry.version_source, promoter.mlflow, model, version)
-    if intent.get(alias) is None:
-        raise NotFound(f"{model}@{alias} is not set: a shadow copies an alias's requests, so the alias needs a target")
-    if intent[alias] == version:
-        raise UsageProblem(f"{model}@{alias} already serves v{version}: a shadow compares another version with it")
+    _check_beside(promoter, model, alias, version, intent, "a shadow copies an alias's requests")
     return _move_alias(promoter, model, alias, version, trigger=trigger, actor=actor, reason=reason, dry_run=dry_run,
                        set_intent=lambda: registry.set_shadow(promoter.mlflow, model, alias, version, percent), key=key)
+
+
+def _beside_intent(config: Config, model: str, alias: str | None,
+                   progress: Callable[[int], None] | None) -> tuple[Promoter, str, dict[str, int]]:
+    """(promoter, alias, registry intent) for a canary or shadow command on `model`, its alias checked as served."""
+    promoter = Promoter(config, progress=progress)
+    promoter.check_model(model)
+    alias = alias or config.registry.default_alias
+    _served_alias(config, alias)
+    _lookup(registry.require_model, promoter.mlflow, model)
+    return promoter, alias, registry.read_intent(promoter.mlflow, model, config.registry.served_aliases) or {}
+
+
+def _check_beside(promoter: Promoter, model: str, alias: str, version: int, intent: dict[str, int], what: str) -> None:
+    """A canary or shadow (`what` it does) needs an existing version, a set alias, and another version than its."""
+    _lookup(registry.version_source, promoter.mlflow, model, version)
+    if intent.get(alias) is None:
+        raise NotFound(f"{model}@{alias} is not set: {what}, so the alias needs a target")
+    if intent[alias] == version:
+        raise UsageProblem(f"{model}@{alias} already serves v{version}: {what} to another version")
 
 
 def _drop_intent(promoter: Promoter, model: str, key: str, candidate: int, clear: Callable[[], None], *,
