@@ -79,7 +79,7 @@ def check_shadow(promoter: Promoter, model: str, alias: str, version: int, gate:
     """Refused unless `version` is `alias`'s shadow and its pairs do not show it worse (`force`: passes, said
     in the decision); with `record`, the decision and its figures go on the version's tags. Returns the
     decision."""
-    route, found = _shadow_evidence(promoter, model, alias)
+    route, found = read_shadow_evidence(promoter, model, alias)
     if route.version != version:
         raise Refused(f"v{version} is not the shadow of {model}@{alias} (v{route.version} is): the gate needs live "
                       f"evidence of the version it moves")
@@ -665,13 +665,13 @@ def shadow_status(config: Config, model: str, *, alias: str | None = None) -> di
     alias = alias or config.registry.default_alias
     _served_alias(config, alias)
     manifest, _ = storage.read_manifest(promoter.dest, promoter.location, model)
-    shadow, found = _shadow_evidence(promoter, model, alias)
+    shadow, found = read_shadow_evidence(promoter, model, alias)
     return {"model": model, "alias": alias, "primary_version": manifest.aliases[alias].version,
             "shadow_version": shadow.version, "percent": shadow.percent, "since": shadow.promoted_at,
             "summary": found.describe(), **asdict(found)}
 
 
-def _shadow_evidence(promoter: Promoter, model: str, alias: str) -> tuple[ShadowRoute, ShadowEvidence]:
+def read_shadow_evidence(promoter: Promoter, model: str, alias: str) -> tuple[ShadowRoute, ShadowEvidence]:
     """`alias`'s published shadow and the evidence of its pairs traced since it started."""
     manifest, _ = storage.read_manifest(promoter.dest, promoter.location, model)
     shadow, primary = manifest.shadows.get(alias), manifest.aliases.get(alias)

@@ -20,11 +20,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from registry_hooks import storage
+from registry_hooks.auto_canary import AutoCanary
 from registry_hooks.reconcile import ManifestCache, PassReport, run_pass
 from registry_hooks.operations import RECONCILER_STATUS
 from registry_hooks.subscriptions import WEBHOOK_PATH, HooksError
 from registry_hooks.sync import Promoter, SyncReport, sync_model
 from registry_hooks.trace_retention import prune_traces
+from registry_hooks.watcher import CanaryWatcher
 from registry_hooks.webhook import (
     ALIAS_EVENTS,
     MAX_BODY_BYTES,
@@ -235,21 +237,21 @@ async def read_bounded(request: Request, limit: int) -> bytes:
 
 
 def serve(config: Config) -> None:
-    """Run the receiver, the reconciler and (with `registry.canary.slo`) the canary watcher until interrupted."""
+    """Run the receiver, the reconciler, and the canary watcher (with `registry.canary.slo`) and the auto canary
+    (with `registry.shadow.auto_canary`) until interrupted."""
     import uvicorn
-
-    from registry_hooks.watcher import CanaryWatcher
 
     metrics = Metrics()
     reconciler = Reconciler(config, metrics)
     app = create_app(config, reconciler, metrics)
-    watcher = CanaryWatcher(config) if config.registry.canary.slo is not None else None
+    loops = ([CanaryWatcher(config)] if config.registry.canary.slo is not None else []) + \
+        ([AutoCanary(config)] if config.registry.shadow.auto_canary is not None else [])
     reconciler.start()
-    if watcher is not None:
-        watcher.start()
+    for loop in loops:
+        loop.start()
     try:
         uvicorn.run(app, host=config.hooks.host, port=config.hooks.port, log_level="warning")
     finally:
-        if watcher is not None:
-            watcher.stop()
+        for loop in loops:
+            loop.stop()
         reconciler.stop()

@@ -31,6 +31,7 @@ class ShadowEvidence:
     ties: int
     unscored_differ: int  # pairs without scores whose answers differ
     p_worse: float  # P(at least `losses` of the decided pairs go to the primary | no difference)
+    p_better: float  # P(at least `wins` of the decided pairs go to the shadow | no difference)
     primary_p50_ms: float | None
     shadow_p50_ms: float | None
     primary_error_rate: float
@@ -57,7 +58,6 @@ def evidence(pairs: list[tuple[Answer, Answer]]) -> ShadowEvidence:
             ties += 1
         else:
             differ += 1
-    p_worse = sign_test_p(losses, wins)
 
     def p50(values: list[float]) -> float | None:
         return statistics.median(values) if values else None
@@ -67,7 +67,8 @@ def evidence(pairs: list[tuple[Answer, Answer]]) -> ShadowEvidence:
 
     primaries, shadows = [p for p, _ in pairs], [s for _, s in pairs]
     return ShadowEvidence(pairs=len(pairs), wins=wins, losses=losses, ties=ties, unscored_differ=differ,
-                          p_worse=p_worse, primary_p50_ms=p50([a.latency_ms for a in primaries if a.status < 400]),
+                          p_worse=sign_test_p(losses, wins), p_better=sign_test_p(wins, losses),
+                          primary_p50_ms=p50([a.latency_ms for a in primaries if a.status < 400]),
                           shadow_p50_ms=p50([a.latency_ms for a in shadows if a.status < 400]),
                           primary_error_rate=error_rate(primaries), shadow_error_rate=error_rate(shadows))
 
@@ -83,3 +84,11 @@ def gate_refusal(found: ShadowEvidence, *, min_pairs: int, max_p: float) -> str 
     if found.shadow_error_rate > found.primary_error_rate:
         return f"the shadow fails more often than the primary: {found.describe()}"
     return None
+
+
+def has_won(found: ShadowEvidence, *, min_pairs: int, max_p: float) -> bool:
+    """Whether the shadow has earned a canary: `min_pairs` scored pairs, more wins than losses with a one-sided
+    sign-test p below `max_p`, and no more errors than the primary."""
+    scored = found.wins + found.losses + found.ties
+    return (scored >= min_pairs and found.wins > found.losses and found.p_better < max_p
+            and found.shadow_error_rate <= found.primary_error_rate)

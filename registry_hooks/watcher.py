@@ -101,20 +101,54 @@ def canaries_in(stats: Mapping[Key, Series]) -> set[tuple[str, str, int]]:
     return {(model, alias, version) for model, alias, version, canary in stats if canary}
 
 
-class CanaryWatcher:
+class Periodic:
+    """A daemon thread that calls `tick` every `interval_s` until stopped; an error is logged and kept in
+    `last_error`, never the end of the loop (a metrics or registry outage passes)."""
+
+    name = "rlops-periodic"
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_error: str | None = None
+
+    def tick(self) -> list[dict]:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.tick()
+                self.last_error = None
+            except Exception as exc:  # noqa: BLE001 - an outage must not stop the loop
+                self.last_error = f"{type(exc).__name__}: {exc}"[:500]
+                log.warning("%s: %s", self.name, self.last_error)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
+class CanaryWatcher(Periodic):
     """Scrapes every `window_s / 6` (at least 1 s); keeps the snapshots of one window; `tick` decides."""
+
+    name = "rlops-canary-watcher"
 
     def __init__(self, config: Config, *, scrape: Callable[[], str] | None = None,
                  clock: Callable[[], float] = time.monotonic):
         assert config.registry.canary.slo is not None
+        super().__init__(max(1.0, config.registry.canary.slo.window_s / 6))
         self.config, self.slo = config, config.registry.canary.slo
         self._scrape = scrape or self._http_scrape
         self._clock = clock
         self._snapshots: deque[tuple[float, dict[Key, Series]]] = deque()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.aborted: list[dict] = []
-        self.last_error: str | None = None
 
     def _http_scrape(self) -> str:
         import httpx
@@ -165,24 +199,3 @@ class CanaryWatcher:
                                    actor=WATCHER_ACTOR, reason=reason)
         return {"model": model, "alias": alias, "version": version, "baseline": baseline_route.version,
                 "reason": reason, "generation": report.generation}
-
-    # ------------------------------------------------------------------------------------ the loop
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="rlops-canary-watcher", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        interval = max(1.0, self.slo.window_s / 6)
-        while not self._stop.wait(interval):
-            try:
-                self.tick()
-                self.last_error = None
-            except Exception as exc:  # noqa: BLE001 - a metrics or registry outage must not stop the watcher
-                self.last_error = f"{type(exc).__name__}: {exc}"[:500]
-                log.warning("canary watcher: %s", self.last_error)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)

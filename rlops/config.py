@@ -141,6 +141,17 @@ class CanaryConfig(_Section):
     slo: CanarySLO | None = Field(None, description="set: the hooks service watches canaries and aborts one on a breach")
 
 
+class AutoCanaryConfig(_Section):
+    """The hooks service turns a shadow that has won on live traffic into a canary by itself (trigger `shadow`
+    in the history); the canary's SLO watcher, where configured, takes over from there."""
+
+    weight: float = Field(10.0, gt=0, lt=100, description="percent of the alias's clients the canary gets")
+    min_pairs: int = Field(50, ge=1, description="scored pairs the shadow needs before it may become a canary")
+    max_p: float = Field(0.05, gt=0, lt=1, description="the shadow must win more pairs than it loses, with a "
+                         "one-sided sign-test p below this")
+    interval_s: float = Field(60.0, gt=0, description="how often the hooks service reads the shadows' pairs")
+
+
 class ShadowGateConfig(_Section):
     """`promote --require-shadow`: live evidence from a shadow before a version takes an alias (issue 31)."""
 
@@ -150,6 +161,8 @@ class ShadowGateConfig(_Section):
     min_pairs: int = Field(20, ge=1, description="scored pairs the shadow needs before a gated move")
     max_p: float = Field(0.05, gt=0, lt=1, description="a shadow that loses more pairs than it wins with a sign-test "
                          "p below this is refused")
+    auto_canary: AutoCanaryConfig | None = Field(None, description="set: a shadow that has won enough pairs "
+                                                 "becomes a canary by itself (the gate above is checked then)")
 
 
 class RegistryConfig(_Section):

@@ -294,8 +294,11 @@ def test_reconciler_alone_converges_with_receiver_off(stack, test_config, mlflow
 
 
 def test_hooks_serve_command_runs_and_is_stoppable(stack, test_config, tmp_path):
+    from rlops.config import AutoCanaryConfig
+
     cfg = test_config.model_copy(deep=True)
     cfg.hooks.port = free_port()
+    cfg.registry.shadow.auto_canary = AutoCanaryConfig(interval_s=0.5)  # its loop starts and stops with the service
     cfg.data_dir = str(tmp_path / "data")  # its own process records; S3 credentials come from stack.env
     path = write_config(tmp_path / "mlflow.yaml", cfg.model_dump(exclude_none=True))
     env = {**stack.env, "RLOPS_CONFIG": str(path), "RLOPS_HOOKS__SECRET": "whsec-cli"}

@@ -195,6 +195,38 @@ def test_a_canary_start_passes_the_shadow_gate_its_alias_requires_and_its_promot
     assert report.served["production"] == v2 and report.canaries == {}
 
 
+def test_a_shadow_that_has_won_becomes_a_canary_by_itself_once_and_one_that_has_not_stays(
+        stack, test_config, mlflow_client, lora_template, tmp_path):
+    from registry_hooks.auto_canary import AUTO_CANARY_ACTOR, AutoCanary
+    from rlops.config import AutoCanaryConfig, ShadowGateConfig
+
+    model = test_config.registry.models[0]
+    v1, v2 = two_versions(test_config, lora_template, tmp_path)
+    operations.promote(test_config, model, to_alias="production", version=v1)
+    policy = ShadowGateConfig(min_pairs=5, auto_canary=AutoCanaryConfig(weight=15, min_pairs=8, max_p=0.05))
+    config = test_config.model_copy(update={"registry": test_config.registry.model_copy(update={"shadow": policy})})
+    auto = AutoCanary(config)
+    assert auto.tick() == []  # no shadow
+    operations.shadow(config, model, version=v2, percent=50)
+    write_pairs(config, model, v1, v2, [("left", "up", 200, 5.0)] * 5 + [("up", "up", 200, 5.0)] * 2, scored=True)
+    assert auto.tick() == []  # 5 wins of 5 decided (p better 0.031), but 7 scored pairs and 8 needed
+    write_pairs(config, model, v1, v2, [("up", "left", 200, 5.0)] * 3, scored=True)
+    assert auto.tick() == []  # 5 wins, 3 losses: not a win (p better 0.36)
+    write_pairs(config, model, v1, v2, [("left", "up", 200, 5.0)] * 6, scored=True)
+
+    started = auto.tick()  # 11 wins, 3 losses, 2 ties: p better 0.029
+    assert [(s["model"], s["alias"], s["version"], s["weight"]) for s in started] == [(model, "production", v2, 15)]
+    manifest = assert_manifest_consistent(stack, config)
+    assert {a: c.version for a, c in manifest.canaries.items()} == {"production": v2} and manifest.shadows == {}
+    canary = next(e for e in reversed(manifest.history) if e.event == "canary")
+    assert (canary.trigger, canary.actor, canary.weight) == ("shadow", AUTO_CANARY_ACTOR, 15)
+    assert canary.reason.startswith("the shadow won on live traffic: 16 pairs: shadow 11 wins, 3 losses, 2 ties")
+    assert "shadow gate passed" in canary.reason  # the configured gate was checked, and recorded on the version
+    assert "shadow gate passed" in mlflow_client.get_model_version(model, str(v2)).tags["rlops.shadow_gate"]
+    assert auto.tick() == []  # the shadow ended with it: nothing more to start
+    assert mlflow_client.get_model_version_by_alias(model, "production").version == str(v1)  # clients: a canary only
+
+
 def test_promote_shadow_cli_start_status_history_stop_and_usage_errors(stack, test_config, lora_template, tmp_path):
     from click.testing import CliRunner
 

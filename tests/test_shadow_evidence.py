@@ -1,7 +1,7 @@
 """Shadow evidence without servers: wins, losses and ties from pairs, the sign test, and the gate."""
 from __future__ import annotations
 
-from registry_hooks.shadow_evidence import Answer, evidence, gate_refusal
+from registry_hooks.shadow_evidence import Answer, evidence, gate_refusal, has_won
 
 
 def ok(score: float | None, latency: float = 10.0, text: str | None = None) -> Answer:
@@ -33,3 +33,13 @@ def test_errors_and_latency_of_both_sides():
     assert (failing.primary_p50_ms, failing.shadow_p50_ms) == (12.0, 30.0)  # failed answers carry no latency
     assert "fails more often" in gate_refusal(failing, min_pairs=5, max_p=0.05)
     assert evidence([]).p_worse == 1.0 and gate_refusal(evidence([]), min_pairs=1, max_p=0.05).startswith("only 0")
+
+
+def test_a_shadow_has_won_only_with_enough_pairs_more_wins_a_small_p_and_no_more_errors():
+    better = evidence([(ok(0), ok(1))] * 8 + [(ok(1), ok(1))] * 4)
+    assert better.p_better == 1 / 2**8 and has_won(better, min_pairs=12, max_p=0.05)
+    assert not has_won(better, min_pairs=13, max_p=0.05)  # one pair short
+    assert not has_won(evidence([(ok(0), ok(1))] * 4 + [(ok(1), ok(0))] * 2), min_pairs=6, max_p=0.05)  # p = 0.34
+    assert not has_won(evidence([(ok(1), ok(1))] * 30), min_pairs=6, max_p=0.05)  # ties say nothing
+    failing = evidence([(ok(0), ok(1))] * 10 + [(ok(1), Answer(500, 2.0, None))])
+    assert failing.p_better < 0.01 and not has_won(failing, min_pairs=10, max_p=0.05)
