@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import tempfile
 import uuid
@@ -22,9 +21,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import record  # noqa: E402
-from ingress_overhead import (MODEL, PairedRatio, bench_environ, echo_args, echo_serve, latency_delta,  # noqa: E402
-                              load, paired_arguments, paired_rounds, percentile)
+from ingress_overhead import (MODEL, PairedFigures, bench_environ, echo_args, echo_serve, load,  # noqa: E402
+                              paired_arguments, paired_rounds)
 
 from rlops.config import load_config  # noqa: E402
 from serving.access import digest  # noqa: E402
@@ -65,25 +63,10 @@ def main() -> None:
         rounds, latencies, failures = paired_rounds(sides, args.rounds, args.requests, args.latency_requests,
                                                     args.concurrency, headers=headers)
 
-    ratio = PairedRatio.of(rounds["keys"], rounds["open"])
-    keys_rps, open_rps = statistics.median(rounds["keys"]), statistics.median(rounds["open"])
-    p50 = {side: percentile(values, 50) for side, values in latencies.items()}
-    delta, delta_q1, delta_q3 = latency_delta(latencies["keys"], latencies["open"])
-    for side in sides:
-        print(f"{side}: {statistics.median(rounds[side]):7.1f} req/s at concurrency {args.concurrency}; p50 "
-              f"{p50[side]:6.2f} ms at concurrency 1; non-200 {failures[side]}")
-    print(f"throughput keys/open over {args.rounds} paired rounds: {ratio.text()} (goal >= 0.98x)"
-          f"{'; pinned' if args.pin else ''}")
-    print(f"+p50 = {delta:+.2f} ms, median of {len(latencies['keys'])} interleaved pairs (IQR {delta_q1:+.2f} to "
-          f"{delta_q3:+.2f}; goal < 0.5 ms)")
-    assert failures["keys"] == failures["open"] == 0, failures
-    if (why := ratio.disagreement()) is not None:
-        sys.exit(f"not recorded: {why}; run it again on a quieter machine")
-    record(Path(__file__).name, keys_rps, "req/s (ratio = median of paired rounds)", open_rps, ratio.median,
-           f">= 0.98x the same ingress without keys, {args.keys} scoped keys with limits (echo engine)")
-    record(f"{Path(__file__).name}:p50", p50["keys"], "ms p50 at concurrency 1", p50["open"],
-           p50["keys"] / p50["open"], "scoped keys add < 0.5 ms to the p50")
-
+    figures = PairedFigures.of("keys", "open", rounds, latencies)
+    figures.show(args, failures, ">= 0.98x", "< 0.5 ms")
+    figures.record(Path(__file__).name, f">= 0.98x the same ingress without keys, {args.keys} scoped keys with limits "
+                   "(echo engine)", "scoped keys add < 0.5 ms to the p50")
 
 if __name__ == "__main__":
     main()

@@ -266,6 +266,49 @@ class PairedRatio:
         return None
 
 
+@dataclass(frozen=True)
+class PairedFigures:
+    """A paired bench's figures for `side` against `base`: throughput of the paired rounds, latency at
+    concurrency 1 from the interleaved pairs."""
+    side: str
+    base: str
+    rps: dict[str, float]  # median req/s of the rounds
+    ratio: PairedRatio
+    p50: dict[str, float]
+    p99: dict[str, float]
+    delta: tuple[float, float, float]  # +p50 (ms): median of the pairs' differences, its q1 and q3
+    pairs: int
+
+    @classmethod
+    def of(cls, side: str, base: str, rounds: dict[str, list[float]], latencies: dict[str, list[float]]) -> "PairedFigures":
+        return cls(side, base, {s: statistics.median(rounds[s]) for s in (side, base)},
+                   PairedRatio.of(rounds[side], rounds[base]),
+                   {s: percentile(latencies[s], 50) for s in (side, base)},
+                   {s: percentile(latencies[s], 99) for s in (side, base)},
+                   latency_delta(latencies[side], latencies[base]), len(latencies[side]))
+
+    def show(self, args: argparse.Namespace, failures: dict[str, int], throughput_goal: str, latency_goal: str) -> None:
+        """Print both sides and the two comparisons; any non-200 fails the run."""
+        for s in (self.side, self.base):
+            print(f"{s}: {self.rps[s]:7.1f} req/s at concurrency {args.concurrency}; p50 {self.p50[s]:6.2f} ms, "
+                  f"p99 {self.p99[s]:6.2f} ms at concurrency 1; non-200 {failures[s]}")
+        print(f"throughput {self.side}/{self.base} over {args.rounds} paired rounds: {self.ratio.text()} "
+              f"(goal {throughput_goal}){'; pinned' if args.pin else ''}")
+        delta, q1, q3 = self.delta
+        print(f"p50 {self.side}/{self.base} = {self.p50[self.side] / self.p50[self.base]:.3f}x; +p50 = {delta:+.2f} ms, "
+              f"median of {self.pairs} interleaved pairs (IQR {q1:+.2f} to {q3:+.2f}; goal {latency_goal})")
+        assert failures[self.side] == failures[self.base] == 0, failures
+
+    def record(self, script: str, throughput_goal: str, p50_goal: str) -> None:
+        """Record throughput and p50 under `script`, or exit with nothing recorded when the rounds disagree."""
+        if (why := self.ratio.disagreement()) is not None:
+            sys.exit(f"not recorded: {why}; run it again on a quieter machine")
+        record(script, self.rps[self.side], "req/s (ratio = median of paired rounds)", self.rps[self.base],
+               self.ratio.median, throughput_goal)
+        record(f"{script}:p50", self.p50[self.side], "ms p50 at concurrency 1", self.p50[self.base],
+               self.p50[self.side] / self.p50[self.base], p50_goal)
+
+
 def latency_delta(side: list[float], base: list[float]) -> tuple[float, float, float]:
     """Median of the paired differences (ms) and its interquartile range, from `interleaved_latency`."""
     q1, median, q3 = statistics.quantiles([a - b for a, b in zip(side, base)], n=4, method="inclusive")
@@ -310,28 +353,13 @@ def main() -> None:
                 assert http.get(models_url).status_code == 200
                 models_ms.append((time.perf_counter() - started) * 1000)
 
-    alias_rps, stock_rps = statistics.median(rounds["alias"]), statistics.median(rounds["stock"])
-    ratio = PairedRatio.of(rounds["alias"], rounds["stock"])
-    p50 = {side: percentile(values, 50) for side, values in latencies.items()}
-    p99 = {side: percentile(values, 99) for side, values in latencies.items()}
-    delta, delta_q1, delta_q3 = latency_delta(latencies["alias"], latencies["stock"])
+    figures = PairedFigures.of("alias", "stock", rounds, latencies)
     models_p50 = statistics.median(models_ms)
-    for side in sides:
-        print(f"{side} ingress: {statistics.median(rounds[side]):7.1f} req/s at concurrency {args.concurrency}; "
-              f"p50 {p50[side]:6.2f} ms, p99 {p99[side]:6.2f} ms at concurrency 1; non-200 {failures[side]}")
-    print(f"throughput alias/stock over {args.rounds} paired rounds: {ratio.text()} (goal >= 0.97x)"
-          f"{'; pinned' if args.pin else ''}")
-    print(f"+p50 = {delta:+.2f} ms, median of {len(latencies['alias'])} interleaved pairs (IQR {delta_q1:+.2f} to "
-          f"{delta_q3:+.2f}; goal <= 0.2 ms); p50 {p50['alias']:.2f} vs {p50['stock']:.2f} ms")
+    figures.show(args, failures, ">= 0.97x", "<= 0.2 ms")
     print(f"/v1/models with {entries} entries: p50 {models_p50:.2f} ms over 30 calls (goal < 50 ms)")
-    assert failures["alias"] == failures["stock"] == 0, failures
-    if (why := ratio.disagreement()) is not None:
-        sys.exit(f"not recorded: {why}; run it again on a quieter machine")
-    record(Path(__file__).name, alias_rps, "req/s (ratio = median of paired rounds)", stock_rps, ratio.median,
-           f">= 0.97x stock OpenAiIngress throughput at {entries} /v1/models entries (same echo engine)")
-    record(f"{Path(__file__).name}:p50", p50["alias"], "ms p50 at concurrency 1", p50["stock"],
-           p50["alias"] / p50["stock"], "alias ingress adds <= 0.2 ms to the stock p50")
-    record(f"{Path(__file__).name}:p50_delta", delta, "ms, median of the interleaved pairs' differences at "
+    figures.record(Path(__file__).name, f">= 0.97x stock OpenAiIngress throughput at {entries} /v1/models entries "
+                   "(same echo engine)", "alias ingress adds <= 0.2 ms to the stock p50")
+    record(f"{Path(__file__).name}:p50_delta", figures.delta[0], "ms, median of the interleaved pairs' differences at "
            "concurrency 1", None, None, "<= 0.2 ms")
     record(f"{Path(__file__).name}:models", models_p50, f"ms per /v1/models ({entries} entries)", None, None,
            "< 50 ms with 10k entries")
