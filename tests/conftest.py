@@ -212,11 +212,11 @@ def wait_preloaded(temp_dir: Path, model_id: str, replicas: int, timeout_s: floa
         raise AssertionError("\n".join([str(exc), *preload_lines(temp_dir, model_id)])) from None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster(stack: StackHandle, tmp_path_factory) -> RayClusterHandle:
     """A 2-node local Ray cluster (head + 1 worker raylet, 2 CPUs and 2 logical GPUs each: slots for a SkyRL
-    dry run's bundles) started once per session by the stack supervisor, with the secrets in its nodes'
-    environment; its nodes are stopped at the end."""
+    dry run's bundles) started by the stack supervisor, with the secrets in its nodes' environment; its nodes
+    are stopped after the module (an idle cluster would take CPU from every later test)."""
     root = tmp_path_factory.mktemp("ray")
     data = yaml.safe_load(stack.config_path.read_text())
     data["ray"] = {"nodes": 2, "cpus_per_node": 2, "gpus_per_node": 2, "port": free_port(), "dashboard_port": free_port()}

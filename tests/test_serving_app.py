@@ -155,7 +155,7 @@ class ServedApp:
                 "history": edit(manifest.history), "generation": manifest.generation + 1}), etag)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # only this module's: later modules get the engine's cores and memory back
 def served(stack, tmp_path_factory) -> ServedApp:
     from training.tiny_vlm import build_tiny_vlm
 
@@ -199,7 +199,7 @@ def served(stack, tmp_path_factory) -> ServedApp:
                                                           timeout=5).status_code == 200, timeout_s=600)
         yield app
     finally:
-        processes.stop(config.data_path, "serve", timeout_s=30)
+        processes.stop(config.data_path, "serve", timeout_s=10)  # Ray's processes took > 30 s to end on SIGTERM
 
 
 # ------------------------------------------------------------------------------------ tests
