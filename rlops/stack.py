@@ -310,7 +310,7 @@ def _start_ray_node(config: Config, name: str, env: Mapping[str, str], alive_aft
     for attempt in range(1, RAY_NODE_ATTEMPTS + 1):
         argv = ray_argv(config, name)
         agent = _agent_url(config, argv) if name == RAY_HEAD else None
-        record = processes.start(config.data_path, name, argv, env, urls=urls)
+        record = processes.start(config.data_path, name, argv, env, urls=urls, nice=config.ray.nice)
         try:
             processes.wait_healthy(record, lambda: ray_alive_nodes(config) >= alive_after and
                                    (agent is None or _answers(agent)), timeout_s,

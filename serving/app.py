@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 
 import httpx
 
+from rlops import processes
 from rlops.config import (MLFLOW_AUTH_ENV, Config, ConfigError, ray_client_env, replica_environment,
                           s3_environment)
 from serving.access import KeysFileError, parse_keys_file
@@ -217,8 +218,10 @@ def run(config: Config, environ: Mapping[str, str], *, blocking: bool = True,
         # One HTTP proxy, on the head: the raylets share one IP here, so per-node proxies would fight for the port.
         proxy_location = "HeadOnly"
     else:
-        # The local Ray node's processes (raylet, workers, replicas) inherit this process's environment.
+        # The local Ray node's processes (raylet, workers, replicas) inherit this process's environment and
+        # niceness: the engine yields shared cores to MLflow, S3 and promote.
         os.environ.update(env)
+        processes.lower_priority(config.ray.nice)
         # address="local": always a fresh Ray of our own, never a cluster some other tool started here.
         ray.init(address="local", num_cpus=serving.local_num_cpus, include_dashboard=False,
                  _metrics_export_port=serving.metrics_port)

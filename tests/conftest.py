@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -195,6 +196,17 @@ def preload_lines(temp_dir: Path, model_id: str) -> list[str]:
     quoted = json.dumps(model_id)
     return [line for text in llm_replica_logs(temp_dir).values() for line in text.splitlines()
             if "preload" in line and (model_id in line or quoted in line)]
+
+
+def niceness(process: psutil.Process) -> set[int]:
+    """The niceness of a process and of its descendants still alive."""
+    found = set()
+    for p in [process, *process.children(recursive=True)]:
+        try:
+            found.add(p.nice())
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def wait_preloaded(temp_dir: Path, model_id: str, replicas: int, timeout_s: float) -> float:

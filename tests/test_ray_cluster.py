@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import re
 import subprocess
 import sys
@@ -21,9 +22,11 @@ import httpx
 import pytest
 import yaml
 
-from conftest import REPO, llm_replica_logs, ray_records, wait_preloaded, write_config
+from conftest import REPO, llm_replica_logs, niceness, ray_records, wait_preloaded, write_config
 from rlops.config import RAY_TOKEN_FILE
-from rlops.stack import RAY_HEAD, ray_temp_dir
+from rlops import stack as rlops_stack
+from rlops.processes import autogroup_nice, read_record
+from rlops.stack import MLFLOW, RAY_HEAD, ray_temp_dir
 from tracker.checkpoints import TAG_SHA256
 from tracker.naming import eval_key
 from tasks.maze.datasets import skyrl_eval_set
@@ -41,6 +44,12 @@ def test_status_shows_every_node_of_the_cluster(ray_cluster):
     head = next(line for line in out.stdout.splitlines() if line.strip().startswith(RAY_HEAD))
     assert "healthy" in head and "2/2 nodes alive" in head and ray_cluster.config.ray_dashboard_url in head
     assert any(line.strip().startswith("ray-worker-1") and "healthy" in line for line in out.stdout.splitlines())
+    # Each node and what it starts yields the cores to the control plane (MLflow, S3, promote): ray.nice.
+    for name in rlops_stack.ray_node_names(ray_cluster.config):
+        node = read_record(ray_cluster.config.data_path, name).process()
+        assert min(niceness(node)) >= ray_cluster.config.ray.nice > 0, name
+        assert autogroup_nice(node.pid) in (None, *range(ray_cluster.config.ray.nice, 20)), name  # its session too
+    assert niceness(read_record(ray_cluster.config.data_path, MLFLOW).process()) == {os.getpriority(os.PRIO_PROCESS, 0)}
 
 
 def test_the_dashboard_answers_only_with_the_clusters_token(ray_cluster):

@@ -27,7 +27,7 @@ import httpx
 import pytest
 import yaml
 
-from conftest import TEXT_PROMPT, maze_image, offline_inputs, preload_lines, register_adapter, train_adapter, wait_preloaded
+from conftest import TEXT_PROMPT, maze_image, niceness, offline_inputs, preload_lines, register_adapter, train_adapter, wait_preloaded
 from rlops import processes
 from rlops.config import Config, load_config
 from serving.access import digest
@@ -298,6 +298,16 @@ def test_openai_surface_of_vllm_through_the_alias_ingress(served: ServedApp):
     completion = client.completions.create(model=name, prompt="move right then", temperature=0, max_tokens=4,
                                            logprobs=1, echo=False)
     assert completion.model == name and len(completion.choices[0].logprobs.tokens) == completion.usage.completion_tokens
+
+
+def test_the_engine_yields_the_cores_to_the_control_plane(served: ServedApp):
+    """`rlops serve`'s own Ray (raylet, replicas, the vLLM engine) runs at `ray.nice`, so a promote, MLflow and
+    S3 beside client load still get the cores (bench/flip_latency.py measures what that buys)."""
+    serve = processes.read_record(served.config.data_path, "serve").process()
+    found = niceness(serve)
+    assert min(found) >= served.config.ray.nice > 0, found  # Ray starts its workers nicer still
+    # ...and its session, where the kernel schedules sessions as groups (autogroup): otherwise it would count for nothing
+    assert processes.autogroup_nice(serve.pid) in (None, *range(served.config.ray.nice, 20))
 
 
 def test_models_lists_served_aliases_with_versions(served: ServedApp):
