@@ -83,7 +83,7 @@ def ray_head():
                 process.terminate()
             except psutil.NoSuchProcess:
                 pass
-        _, alive = psutil.wait_procs(ours, timeout=20)
+        _, alive = psutil.wait_procs(ours, timeout=5)  # a Ray process ignores SIGTERM: the rest have ended by then
         for process in alive:
             process.kill()
         starter.wait(timeout=30)
