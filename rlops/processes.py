@@ -111,13 +111,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-AUTOGROUP = "/proc/self/autogroup"
+AUTOGROUP = "/proc/{pid}/autogroup"  # a session's niceness under Linux's autogroup scheduling (sched(7))
 
 
 def autogroup_nice(pid: int | str = "self") -> int | None:
-    """The niceness of a process's session under Linux's autogroup scheduling (sched(7)); None without it."""
+    """The niceness of a process's session under autogroup scheduling; None without it."""
     try:
-        fd = os.open(f"/proc/{pid}/autogroup", os.O_RDONLY)
+        fd = os.open(AUTOGROUP.format(pid=pid), os.O_RDONLY)
         try:
             return int(os.read(fd, 256).decode().rsplit("nice", 1)[1])
         finally:
@@ -135,7 +135,7 @@ def lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, 0, nice)
     if os.getsid(0) == os.getpid() and (autogroup_nice() or 0) < nice:
         try:
-            fd = os.open(AUTOGROUP, os.O_WRONLY)
+            fd = os.open(AUTOGROUP.format(pid="self"), os.O_WRONLY)
             try:
                 os.write(fd, str(nice).encode())
             finally:
