@@ -234,6 +234,11 @@ def is_error_event(chunk: bytes | str) -> bool:
     return ('data: {"error"' if isinstance(chunk, str) else b'data: {"error"') in chunk
 
 
+def is_stream_end(chunk: bytes | str) -> bool:
+    """The engine's last SSE event: once it is handed on, the answer is whole."""
+    return ("data: [DONE]" if isinstance(chunk, str) else b"data: [DONE]") in chunk
+
+
 LATENCY_BOUNDARIES_MS = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000]
 
 
@@ -574,7 +579,7 @@ class AliasIngress(OpenAiIngress):
                             charge: Charge | None = None, sample: Sampled | None = None, copy: Copy | None = None):
         """Counts a stream when it ends: an engine error after the 200 headers (an error event, or the stream
         raising) is a 500 in the metrics, a client that went away a 499."""
-        status, first_byte, usage = 200, None, None
+        status, first_byte, usage, ended = 200, None, None, False
         kept: list = []  # a sampled or copied stream's chunks, for its trace
         try:
             async for chunk in chunks:
@@ -585,9 +590,11 @@ class AliasIngress(OpenAiIngress):
                 usage = usage_in(chunk) or usage
                 if sample is not None or copy is not None:
                     kept.append(chunk)
+                ended = ended or is_stream_end(chunk)
                 yield chunk
         except (asyncio.CancelledError, GeneratorExit):
-            status = 499  # the client went away
+            # the client went away; one that closes as soon as it read [DONE] got the whole answer
+            status = status if ended else 499
             raise
         except BaseException:
             status = 500  # the stream broke after the headers were sent

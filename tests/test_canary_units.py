@@ -151,6 +151,39 @@ def test_usage_and_mid_stream_errors_are_read_from_answers():
     assert not is_error_event('data: {"choices":[{"delta":{"content":"data: {\\"error\\""}}]}\n\n')
 
 
+def stream_status(chunks: list[str], read: int) -> int:
+    """The status the ingress records for a stream whose client reads `read` chunks, then closes it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from serving.ingress import AliasIngress
+
+    statuses = []
+    ingress = SimpleNamespace(_settle=lambda charge, usage: None,
+                              _finish=lambda resolution, endpoint, status, *a, **kw: statuses.append(status))
+
+    async def engine():
+        for chunk in chunks:
+            yield chunk
+
+    async def client():
+        stream = AliasIngress._finish_after(ingress, engine(), None, "chat", 0.0)
+        for _ in range(read):
+            await stream.__anext__()
+        await stream.aclose()
+
+    asyncio.run(client())
+    return statuses[0]
+
+
+def test_a_client_closing_right_after_done_got_a_whole_answer_and_one_leaving_earlier_is_a_499():
+    answer = ['data: {"choices":[{"delta":{"content":" up"}}]}\n\n', "data: [DONE]\n\n"]
+    assert stream_status(answer, read=2) == 200  # closed at once after [DONE]: its trace is scored
+    assert stream_status(answer, read=1) == 499
+    broken = ['data: {"error":{"message":"engine died","code":500}}\n\n', "data: [DONE]\n\n"]
+    assert stream_status(broken, read=2) == 500
+
+
 def test_the_grafana_dashboard_queries_only_series_the_ingress_exports():
     import re
     from pathlib import Path
