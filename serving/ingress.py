@@ -35,7 +35,7 @@ from rlops.layout import TRACE_TAG_SHADOW_PAIR, TRACE_TAG_SHADOW_ROLE, ModelName
 from serving.access import AccessControl, AccessError, KeyScope, RateLimiter, env_scopes
 from serving.routes import RoutesSettings, internal_model_id, replica_routes_cache
 from serving.shadow import ShadowAnswer, ShadowJob, ShadowMirror, shadowed
-from serving.trace_writer import TraceWriter, TraceWriterSettings, task_scorer
+from serving.trace_writer import TraceWriter, TraceWriterSettings
 from serving.traces import ServedRequest
 from serving.validation import RequestError, RequestLimits, check_body
 
@@ -342,7 +342,7 @@ class AliasIngress(OpenAiIngress):
         self._replica_headers = {REPLICA_HEADER: serve.get_replica_context().replica_tag}
         self._metrics = IngressMetrics()
         traces = self._settings.traces
-        self._traces = (TraceWriter(traces, self._metrics.count_traces, task_scorer(traces)).start()
+        self._traces = (TraceWriter(traces, self._metrics.count_traces).start()
                         if traces is not None and traces.sample_rate > 0 else None)
         self._shadows = ShadowMirror(self._send_copy, self._record_pair, self._metrics.count_shadows,
                                      concurrency=self._settings.shadow_concurrency,
@@ -508,7 +508,7 @@ class AliasIngress(OpenAiIngress):
             traces = self._settings.traces
             if traces is None:
                 return
-            self._traces = TraceWriter(traces, self._metrics.count_traces, task_scorer(traces)).start()
+            self._traces = TraceWriter(traces, self._metrics.count_traces).start()
         pair, primary = uuid.uuid4().hex, job.primary
         common = dict(endpoint=job.endpoint, registered_model=primary.ref.model, canary=False, client=job.client,
                       started_ns=job.started_ns, request=job.request)

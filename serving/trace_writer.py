@@ -1,48 +1,31 @@
-"""Writes sampled served requests to MLflow as traces, on a thread of the ingress replica.
+"""Hands sampled served requests to the trace recorder process, from the ingress replica.
 
-The request path only offers a `ServedRequest` to a bounded queue (never blocking): when the queue is
-full the request is dropped and counted. The thread turns it into a trace (serving.traces), scores it
-with the configured task where the task can read the request, stores its images once by digest in the
-experiment's artifacts, and writes it linked to the served version's LoggedModel. While MLflow is down
-or frozen the thread retries the same trace with a capped backoff, so recording resumes when it is back.
+The request path only offers a `ServedRequest` to a bounded queue (never blocking): when the queue is full
+(entries or bytes) the request is dropped and counted. One thread hands the queued requests, one at a time, to
+`serving.trace_recorder` running as a child process (started by that thread, so the replica's start does not
+wait for MLflow's imports) and counts the outcomes it reports. A recorder that dies is started again after a
+capped backoff; the request it held is counted as failed. Nothing here imports MLflow.
 """
 from __future__ import annotations
 
-import io
-import json
 import logging
 import os
 import queue
 import random
-import tempfile
+import socket
+import subprocess
+import sys
 import threading
-import time
-from pathlib import Path
+from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-import numpy as np
-from mlflow.artifacts import get_artifact_repository
-from mlflow.entities import (AssessmentSource, AssessmentSourceType, Feedback, Span, SpanType, TraceData, TraceInfo,
-                             TraceLocation, TraceState)
-from mlflow.exceptions import MlflowException
-from mlflow.tracing.client import TracingClient
-from mlflow.tracing.constant import SpanAttributeKey, TraceTagKey
-from mlflow.tracing.utils import build_otel_context, generate_mlflow_trace_id_from_otel_trace_id
-from mlflow.tracking import MlflowClient
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.trace import Status, StatusCode
-from PIL import Image
 from pydantic import BaseModel, Field
-from requests.exceptions import RequestException
 
-from rlops.layout import (TRACE_IMAGES_DIR, TRACE_MODEL_ID, TRACE_PASSED, TRACE_SCORE, TRACE_TAG_PASSED,
-                          version_model_id)
-from rlops.task import Outcome, Task, TaskError, load_task
-from serving.traces import ServedRequest, TracePayload, sampled, trace_payload
+from serving.traces import ServedRequest, sampled
 
 log = logging.getLogger("ray.serve.rlops")
-_RETRY_MAX_S = 2.0
+RECORDER_MODULE = "serving.trace_recorder"
+_RESPAWN_MAX_S = 30.0
 
 
 class TraceWriterSettings(BaseModel):
@@ -58,75 +41,31 @@ class TraceWriterSettings(BaseModel):
     task_options: dict[str, Any] = Field(default_factory=dict)
 
 
-# MLflow unreachable, frozen, overloaded (5xx, 429): the same trace is retried (capped backoff) for this
-# long, then counted as failed; anything else (a 4xx such as an unknown version, a bug) fails it at once
-RETRY_FOR_S = 30.0
-
-
-def retried(exc: Exception) -> bool:
-    if isinstance(exc, MlflowException):
-        status = exc.get_http_status_code()
-        return status >= 500 or status == 429
-    return isinstance(exc, (RequestException, OSError))
-
-
-class TaskScorer:
-    """The task's verdict on a served answer, where the task can read the request (one image, the text)."""
-
-    def __init__(self, task: Task):
-        self.task = task
-        self.source = f"{type(task).__module__}:{type(task).__name__}"
-
-    def score(self, payload: TracePayload) -> Outcome | None:
-        if len(payload.images) != 1 or payload.answer_text is None:
-            return None
-        (_, data), = payload.images.values()
-        try:
-            image = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-        except (OSError, ValueError):
-            return None
-        item = self.task.request_item(image, " ".join(payload.texts))
-        return None if item is None else self.task.score(item, payload.answer_text)
-
-
-def task_scorer(settings: TraceWriterSettings) -> TaskScorer | None:
-    if not settings.task_path:
-        return None
-    try:
-        return TaskScorer(load_task(settings.task_path, settings.task_options))
-    except TaskError as exc:  # the endpoint serves on; its traces go unscored
-        log.error("traces are not scored: %s", exc)
-        return None
-
-
 class TraceWriter:
-    """A bounded queue and one thread writing to MLflow. `count(outcome, n)` reports recorded / dropped
-    (queue full) / failed (MLflow refused the trace) / scored."""
+    """A bounded queue and one thread feeding the recorder process. `count(outcome, n)` reports recorded /
+    scored / failed (as the recorder reports them) and dropped (queue full)."""
 
-    def __init__(self, settings: TraceWriterSettings, count: Callable[[str, int], None],
-                 scorer: TaskScorer | None = None):
+    def __init__(self, settings: TraceWriterSettings, count: Callable[[str, int], None]):
         self.settings = settings
         self._count = count
-        self._scorer = scorer
         self._queue: queue.Queue[ServedRequest] = queue.Queue(maxsize=settings.queue_size)
         self._bytes_left = int(settings.queue_mib * 2**20)  # request + answer bytes the queue may still hold
         self._bytes_lock = threading.Lock()
         self._stop = threading.Event()
-        self._locations: dict[tuple[str | None, int | None], tuple[str | None, str, str]] = {}
-        self._stored_images: set[tuple[str, str]] = set()
-        self._client = None
+        self._recorder: tuple[subprocess.Popen, Connection] | None = None
+        self._respawn_s = 0.0
         self._thread = threading.Thread(target=self._run, name="rlops-traces", daemon=True)
 
     def start(self) -> "TraceWriter":
-        # The replica is the entry point: one slow call must not hold the queue for minutes (MLflow's
-        # default is 7 retries with a 2x backoff); this thread retries by itself, capped.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        """Ends the thread and the recorder (a request it was writing is not recorded)."""
         self._stop.set()
+        recorder = self._recorder
+        if recorder is not None:
+            recorder[0].kill()
 
     def sample(self) -> bool:
         return sampled(self.settings.sample_rate, random.random())
@@ -157,108 +96,43 @@ class TraceWriter:
             except queue.Empty:
                 continue
             self._release(served.size)
-            backoff, deadline = 0.1, time.monotonic() + RETRY_FOR_S
-            while not self._stop.is_set():
-                try:
-                    self._write(served)
-                    break
-                except Exception as exc:  # noqa: BLE001 - nothing here may end the thread
-                    if retried(exc) and time.monotonic() < deadline:
-                        self._stop.wait(backoff)
-                        backoff = min(_RETRY_MAX_S, backoff * 2)
-                        continue
-                    error = exc
-                log.error("trace not recorded: %s: %s", type(error).__name__, error)
-                self._count("failed", 1)
-                break
+            for outcome, n in self._hand_over(served).items():
+                self._count(outcome, n)
+        self._close()
 
-    def _mlflow(self):
-        if self._client is None:
-            uri = self.settings.tracking_uri
-            self._client = (MlflowClient(tracking_uri=uri, registry_uri=uri), TracingClient(uri))
-        return self._client
+    def _hand_over(self, served: ServedRequest) -> dict[str, int]:
+        try:
+            if self._recorder is None:
+                self._recorder = self._spawn()
+            _, conn = self._recorder
+            conn.send(served)
+            outcomes = conn.recv()
+            self._respawn_s = 0.0
+            return outcomes
+        except (OSError, EOFError) as exc:
+            if not self._stop.is_set():
+                self._respawn_s = min(_RESPAWN_MAX_S, max(0.5, 2 * self._respawn_s))
+                log.error("the trace recorder ended (%s: %s): another starts in %.1f s", type(exc).__name__, exc,
+                          self._respawn_s)
+            self._close()
+            self._stop.wait(self._respawn_s)
+            return {"failed": 1}
 
-    def _location(self, served: ServedRequest) -> tuple[str | None, str, str]:
-        """(LoggedModel id or None, experiment id, artifact root) of the served version (cached)."""
-        key = (served.registered_model, served.version)
-        if key not in self._locations:
-            client, _ = self._mlflow()
-            model_id = None
-            if served.registered_model is not None and served.version is not None:
-                version = client.get_model_version(served.registered_model, str(served.version))
-                model_id = version_model_id(version.model_id, version.source)
-            if model_id:
-                experiment = client.get_experiment(client.get_logged_model(model_id).experiment_id)
-            else:
-                experiment = self._experiment(client)
-            self._locations[key] = (model_id, experiment.experiment_id, experiment.artifact_location)
-        return self._locations[key]
+    def _spawn(self) -> tuple[subprocess.Popen, Connection]:
+        ours, theirs = socket.socketpair()
+        with theirs:
+            # the replica's own import path (its working dir and runtime env), so the child finds this package
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+            process = subprocess.Popen([sys.executable, "-m", RECORDER_MODULE, str(theirs.fileno())],
+                                       pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        conn = Connection(ours.detach())
+        conn.send(self.settings.model_dump())
+        return process, conn
 
-    def _experiment(self, client):
-        name = self.settings.experiment
-        experiment = client.get_experiment_by_name(name)
-        if experiment is None:
-            try:
-                client.create_experiment(name)
-            except MlflowException:
-                pass  # another replica created it first
-            experiment = client.get_experiment_by_name(name)
-        return experiment
-
-    def _store_images(self, payload: TracePayload, artifact_root: str) -> None:
-        for digest, (media_type, data) in payload.images.items():
-            if (artifact_root, digest) in self._stored_images:
-                continue
-            repo = get_artifact_repository(f"{artifact_root}/{TRACE_IMAGES_DIR}", tracking_uri=self.settings.tracking_uri)
-            with tempfile.TemporaryDirectory() as tmp:
-                path = Path(tmp) / f"{digest}.{media_type.split('/', 1)[1].split('+')[0]}"
-                path.write_bytes(data)
-                repo.log_artifact(str(path))
-            self._stored_images.add((artifact_root, digest))
-
-    def _write(self, served: ServedRequest) -> None:
-        payload = trace_payload(served, self.settings.content)
-        model_id, experiment_id, artifact_root = self._location(served)
-        outcome = self._scorer.score(payload) if self._scorer is not None and payload.ok else None
-        if outcome is not None:
-            payload.tags[TRACE_TAG_PASSED] = "true" if outcome.passed else "false"
-        if self.settings.content:
-            self._store_images(payload, artifact_root)
-        span, trace_id = root_span(served, payload, experiment_id)
-        metadata = {TRACE_MODEL_ID: model_id} if model_id else {}
-        info = TraceInfo(trace_id=trace_id, trace_location=TraceLocation.from_experiment_id(experiment_id),
-                         request_time=served.started_ns // 1_000_000,
-                         state=TraceState.OK if payload.ok else TraceState.ERROR,
-                         request_preview=payload.request_preview, response_preview=payload.response_preview,
-                         client_request_id=payload.response_id, execution_duration=int(served.latency_ms),
-                         trace_metadata=metadata, tags=payload.tags)
-        _, tracing = self._mlflow()
-        tracing.log_spans(experiment_id, [span])
-        returned = tracing.start_trace(info)
-        if returned.tags.get(TraceTagKey.SPANS_LOCATION) != "TRACKING_STORE":
-            tracing._upload_trace_data(returned, TraceData(spans=[span]))  # stores without span tables (MLflow's exporter does the same)
-        self._count("recorded", 1)
-        if outcome is not None:
-            source = AssessmentSource(source_type=AssessmentSourceType.CODE, source_id=self._scorer.source)
-            extras = {k: json.dumps(v) for k, v in outcome.extras.items()}
-            tracing.log_assessment(trace_id, Feedback(name=TRACE_SCORE, value=outcome.score, source=source,
-                                                      metadata=extras))
-            tracing.log_assessment(trace_id, Feedback(name=TRACE_PASSED, value=outcome.passed, source=source))
-            self._count("scored", 1)
-
-
-def root_span(served: ServedRequest, payload: TracePayload, experiment_id: str):
-    """The trace's one span (the request through the endpoint), as MLflow's own exporter builds it."""
-    otel_trace_id, span_id = random.getrandbits(128), random.getrandbits(64)
-    trace_id = generate_mlflow_trace_id_from_otel_trace_id(otel_trace_id)
-    attributes = {SpanAttributeKey.REQUEST_ID: json.dumps(trace_id),
-                  SpanAttributeKey.SPAN_TYPE: json.dumps(SpanType.CHAT_MODEL if served.endpoint == "chat" else SpanType.LLM),
-                  SpanAttributeKey.INPUTS: json.dumps(payload.inputs, ensure_ascii=False),
-                  SpanAttributeKey.OUTPUTS: json.dumps(payload.outputs, ensure_ascii=False),
-                  SpanAttributeKey.EXPERIMENT_ID: json.dumps(experiment_id)}
-    end_ns = served.started_ns + int(served.latency_ms * 1e6)
-    otel = ReadableSpan(name=f"/v1/{'chat/completions' if served.endpoint == 'chat' else 'completions'}",
-                        context=build_otel_context(otel_trace_id, span_id), parent=None, start_time=served.started_ns,
-                        end_time=end_ns, attributes=attributes,
-                        status=Status(StatusCode.OK if payload.ok else StatusCode.ERROR), resource=Resource.get_empty())
-    return Span(otel), trace_id
+    def _close(self) -> None:
+        if self._recorder is not None:
+            process, conn = self._recorder
+            self._recorder = None
+            conn.close()
+            process.kill()
+            process.wait()

@@ -14,7 +14,7 @@ from conftest import write_config
 from registry_hooks.trace_retention import prune_traces
 from rlops.cli import main
 from serving.app import trace_settings
-from serving.trace_writer import TraceWriter, TraceWriterSettings, task_scorer
+from serving.trace_writer import TraceWriter, TraceWriterSettings
 from serving.traces import ServedRequest
 from tasks.maze.env import answer_text, solve
 from tasks.maze.task import item_maze
@@ -40,8 +40,7 @@ def serve_traces(config, items, answers) -> dict[str, int]:
     """The requests as the ingress hands them to its writer, written to the session's MLflow."""
     counts: dict[str, int] = {}
     settings = TraceWriterSettings.model_validate({**trace_settings(config), "sample_rate": 1.0})
-    writer = TraceWriter(settings, lambda k, n: counts.__setitem__(k, counts.get(k, 0) + n),
-                         task_scorer(settings)).start()
+    writer = TraceWriter(settings, lambda k, n: counts.__setitem__(k, counts.get(k, 0) + n)).start()
     try:
         for i, (item, answer) in enumerate(zip(items, answers)):
             body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "choices": [

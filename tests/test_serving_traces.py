@@ -167,6 +167,44 @@ def test_a_dead_mlflow_never_blocks_the_offer_and_what_does_not_fit_is_counted()
         writer.stop()
 
 
+def test_a_recorder_that_dies_is_started_again_and_what_it_held_counts_as_failed():
+    """The MLflow work runs in a child process of the writer: killed, the request it held is counted as
+    failed and the next request gets a new recorder; stopping the writer ends its recorder."""
+    import psutil
+
+    counts: dict[str, int] = {}
+    settings_ = TraceWriterSettings(sample_rate=1.0, content=True, queue_size=8, queue_mib=64, experiment="never",
+                                    tracking_uri=f"http://127.0.0.1:{free_port()}")  # retried: the recorder holds it
+    writer = TraceWriter(settings_, lambda outcome, n: counts.__setitem__(outcome, counts.get(outcome, 0) + n)).start()
+    request = served({"model": "m", "messages": ITEM.messages()}, chat_answer("stop"))
+
+    def recorder() -> psutil.Process:
+        deadline = time.monotonic() + 30
+        while not (children := psutil.Process().children()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        [child] = children
+        assert "serving.trace_recorder" in child.cmdline()
+        return child
+
+    try:
+        writer.offer(request)
+        first = recorder()
+        first.kill()
+        deadline = time.monotonic() + 10
+        while counts.get("failed") != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert counts == {"failed": 1}
+        writer.offer(request)
+        second = recorder()
+        assert second.pid != first.pid and second.is_running()
+    finally:
+        writer.stop()
+    deadline = time.monotonic() + 10
+    while psutil.Process().children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert psutil.Process().children() == []
+
+
 def test_the_queue_is_bounded_in_bytes_too():
     """Images make requests large: a queue of few entries may still not hold them all."""
     counts: dict[str, int] = {}

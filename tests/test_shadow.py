@@ -55,40 +55,37 @@ def test_a_shadow_is_copied_published_reshared_and_stopped(stack, test_config, m
                       ("shadow_stopped", v2, v2, 0, "bo", "enough pairs")]
 
 
-class AnswerScorer:
-    """Scores an answer by its text (`up` passes), as a task scorer would: the TraceWriter's scorer seam."""
-
-    source = "tests:AnswerScorer"
-
-    def score(self, payload):
-        from rlops.task import Outcome
-
-        text = payload.answer_text
-        return None if text is None or text == "unscored" else Outcome(id="x", passed=text == "up",
-                                                                        score=float(text == "up"))
-
-
 def write_pairs(config, model: str, primary: int, shadow: int, pairs: list[tuple[str, str, int, float]],
                 scored: bool = False) -> None:
     """Each (primary answer, shadow answer, shadow status, shadow latency) as the ingress writes a pair:
-    two traces sharing the pair's id, through the real TraceWriter into the stack's MLflow."""
+    two traces sharing the pair's id, through the real TraceWriter into the stack's MLflow. `scored`: the
+    request is a maze with its picture, scored by the maze task in the recorder, where `up` stands for the
+    maze's solution and anything else for an answer that does not solve it."""
     import uuid
 
     from rlops.layout import TRACE_TAG_SHADOW_PAIR, TRACE_TAG_SHADOW_ROLE
     from serving.trace_writer import TraceWriter, TraceWriterSettings
     from serving.traces import ServedRequest
+    from tasks.maze.env import answer_text, solve
+    from tasks.maze.task import item_maze
 
     counts: dict[str, int] = {}
+    task = {"task_path": config.task.path, "task_options": dict(config.task.options)} if scored else {}
     writer = TraceWriter(TraceWriterSettings(sample_rate=0, content=True, queue_size=1000, queue_mib=8,
                                              experiment=f"shadow-{uuid.uuid4().hex[:6]}",
-                                             tracking_uri=config.tracking_uri),
-                         lambda outcome, n: counts.update({outcome: counts.get(outcome, 0) + n}),
-                         AnswerScorer() if scored else None).start()
+                                             tracking_uri=config.tracking_uri, **task),
+                         lambda outcome, n: counts.update({outcome: counts.get(outcome, 0) + n})).start()
+    messages, solution = [{"role": "user", "content": "go"}], None
+    if scored:
+        maze = config.load_task()
+        item = maze.eval_items(maze.eval_sets()[0])[0]
+        messages, solution = item.messages(), answer_text(solve(item_maze(item)))
 
     def answer(text: str) -> bytes:
+        text = solution if solution and text == "up" else text
         return json.dumps({"id": uuid.uuid4().hex, "choices": [{"index": 0, "message": {"content": text}}]}).encode()
 
-    request = json.dumps({"messages": [{"role": "user", "content": "go"}]}).encode()
+    request = json.dumps({"messages": messages}).encode()
     for primary_text, shadow_text, shadow_status, shadow_ms in pairs:
         pair = uuid.uuid4().hex
         common = dict(endpoint="chat", registered_model=model, canary=False, client=None, started_ns=time.time_ns(),
