@@ -4,7 +4,7 @@ a plain alias (production -> v1) and one whose production (v1) is shadowed by v2
 of its requests are copied to v2 after the answer (serving/shadow.py) and each pair is traced into the scratch
 stack's real MLflow (the shipped behaviour: pairs are traced even with the sample rate at 0; both versions are
 registered there so the traces are recorded, not refused). Each side is its own app, so the copies, and the trace
-writer thread that holds the replica's GIL, run in the shadowed side's replicas only; each side is deployed first
+recorder process beside the replica, run for the shadowed side's replicas only; each side is deployed first
 once (bench/ingress_overhead.py's order bias).
 
 Two loads, each in paired rounds that alternate the sides so that machine noise hits both alike:
