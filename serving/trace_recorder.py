@@ -43,15 +43,13 @@ from serving.trace_writer import TraceWriterSettings
 from serving.traces import ServedRequest, TracePayload, trace_payload
 
 log = logging.getLogger("ray.serve.rlops")
-_RETRY_MAX_S = 2.0
 # below the replica it serves beside: traces are background work, answers come first (a recorder that
 # falls behind fills the writer's queue, and what does not fit is dropped and counted)
 RECORDER_NICE = 10
-
-
 # MLflow unreachable, frozen, overloaded (5xx, 429): the same trace is retried (capped backoff) for this
 # long, then counted as failed; anything else (a 4xx such as an unknown version, a bug) fails it at once
 RETRY_FOR_S = 30.0
+_RETRY_MAX_S = 2.0
 
 
 def retried(exc: Exception) -> bool:
