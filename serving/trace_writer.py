@@ -1,10 +1,12 @@
 """Hands sampled served requests to the trace recorder process, from the ingress replica.
 
 The request path only offers a `ServedRequest` to a bounded queue (never blocking): when the queue is full
-(entries or bytes) the request is dropped and counted. One thread hands the queued requests, one at a time, to
-`serving.trace_recorder` running as a child process (started by that thread, so the replica's start does not
-wait for MLflow's imports) and counts the outcomes it reports. A recorder that dies is started again after a
-capped backoff; the request it held is counted as failed. Nothing here imports MLflow.
+(entries, or bytes of the queue and the batch in flight together) the request is dropped and counted. One
+thread hands what is queued, as one batch of up to `BATCH_MAX`, to `serving.trace_recorder` running as a child
+process (started by that thread, so the replica's start does not wait for MLflow's imports) and counts the
+outcomes it reports: the busier the endpoint, the larger the batches, the fewer MLflow calls per trace. A
+recorder that dies is started again after a capped backoff; the batch it held is counted as failed. Nothing
+here imports MLflow.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from serving.traces import ServedRequest, sampled
 
 log = logging.getLogger("ray.serve.rlops")
 RECORDER_MODULE = "serving.trace_recorder"
+BATCH_MAX = 32  # requests per hand-over: one `log_spans` call for all of them
 _RESPAWN_MAX_S = 30.0
 
 
@@ -61,7 +64,7 @@ class TraceWriter:
         return self
 
     def stop(self) -> None:
-        """Ends the thread and the recorder (a request it was writing is not recorded)."""
+        """Ends the thread and the recorder (a batch it was writing is not recorded)."""
         self._stop.set()
         recorder = self._recorder
         if recorder is not None:
@@ -92,20 +95,26 @@ class TraceWriter:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                served = self._queue.get(timeout=0.5)
+                batch = [self._queue.get(timeout=0.5)]
             except queue.Empty:
                 continue
-            self._release(served.size)
-            for outcome, n in self._hand_over(served).items():
+            while len(batch) < BATCH_MAX:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            outcomes = self._hand_over(batch)
+            self._release(sum(served.size for served in batch))
+            for outcome, n in outcomes.items():
                 self._count(outcome, n)
         self._close()
 
-    def _hand_over(self, served: ServedRequest) -> dict[str, int]:
+    def _hand_over(self, batch: list[ServedRequest]) -> dict[str, int]:
         try:
             if self._recorder is None:
                 self._recorder = self._spawn()
             _, conn = self._recorder
-            conn.send(served)
+            conn.send(batch)
             outcomes = conn.recv()
             self._respawn_s = 0.0
             return outcomes
@@ -116,7 +125,7 @@ class TraceWriter:
                           self._respawn_s)
             self._close()
             self._stop.wait(self._respawn_s)
-            return {"failed": 1}
+            return {"failed": len(batch)}
 
     def _spawn(self) -> tuple[subprocess.Popen, Connection]:
         ours, theirs = socket.socketpair()
