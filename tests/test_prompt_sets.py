@@ -36,6 +36,15 @@ def registered_version(client, config) -> tuple[str, str]:
     return logged.model_id, version.version
 
 
+def served_request(config, item, answer: str, version: int, user: str = "u1") -> ServedRequest:
+    """A request for `item` answered with `answer` by `version` of the test's model, as the ingress records it."""
+    body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": answer}}]}
+    return ServedRequest("chat", f"base:{config.registered_model}", config.registered_model, "production", version,
+                         False, f"user:{user}", time.time_ns(), 20.0, 15.0, 200, (50, 5),
+                         json.dumps({"model": "x", "messages": item.messages()}).encode(), json.dumps(body).encode())
+
+
 def serve_traces(config, items, answers) -> dict[str, int]:
     """The requests as the ingress hands them to its writer, written to the session's MLflow."""
     counts: dict[str, int] = {}
@@ -43,12 +52,7 @@ def serve_traces(config, items, answers) -> dict[str, int]:
     writer = TraceWriter(settings, lambda k, n: counts.__setitem__(k, counts.get(k, 0) + n)).start()
     try:
         for i, (item, answer) in enumerate(zip(items, answers)):
-            body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": answer}}]}
-            writer.offer(ServedRequest("chat", f"base:{config.registered_model}", config.registered_model,
-                                       "production", 1, False, f"user:u{i}", time.time_ns(), 20.0, 15.0, 200, (50, 5),
-                                       json.dumps({"model": "x", "messages": item.messages()}).encode(),
-                                       json.dumps(body).encode()))
+            writer.offer(served_request(config, item, answer, 1, user=f"u{i}"))
         deadline = time.monotonic() + 60
         while counts.get("scored", 0) < len(items) and time.monotonic() < deadline:
             time.sleep(0.2)
