@@ -21,6 +21,7 @@ from serving.traces import trace_counts
 
 INGRESS_CLS = "serving.ingress:AliasIngress"
 SERVER_CLS = "serving.preload:PreloadingLLMServer"
+NODE_INIT_CALLBACK = "serving.engine_start:LocalModelCallback"
 APP_NAME = "rlops"
 FEEDBACK_APP, FEEDBACK_ROUTE, FEEDBACK_BUILDER = "rlops-feedback", "/v1/feedback", "serving.feedback:build"
 S3_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
@@ -46,6 +47,7 @@ def llm_config(config: Config, accelerator: str) -> dict[str, Any]:
     }
     llm: dict[str, Any] = {
         "server_cls": SERVER_CLS,
+        "callback_config": {"callback_class": NODE_INIT_CALLBACK},
         "model_loading_config": {"model_id": serving.base_model_id, "model_source": config.base_model_source},
         "lora_config": {"dynamic_lora_loading_path": config.lora_path,
                         "max_num_adapters_per_replica": serving.max_loras},

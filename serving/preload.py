@@ -19,6 +19,7 @@ from collections import defaultdict
 from ray import serve
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 
+from serving.engine_start import OneProcessVLLMEngine
 from serving.routes import PRELOAD_KEY, RoutesSettings, hot_adapter_ids, replica_routes_cache
 
 log = logging.getLogger("ray.serve.rlops")
@@ -28,6 +29,9 @@ RETRY_MAX_S = 60.0  # the longest wait before an adapter that failed to preload 
 
 class PreloadingLLMServer(LLMServer):
     """`llm_config.server_cls` of the app (`serving.preload:PreloadingLLMServer`)."""
+
+    def _get_default_engine_class(self):
+        return OneProcessVLLMEngine
 
     def _init_shared(self, *args, **kwargs):
         super()._init_shared(*args, **kwargs)

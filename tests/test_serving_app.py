@@ -310,6 +310,16 @@ def test_the_engine_yields_the_cores_to_the_control_plane(served: ServedApp):
     assert processes.autogroup_nice(serve.pid) in (None, *range(served.config.ray.nice, 20))
 
 
+def test_the_engine_starts_without_processes_that_only_import_vllm(served: ServedApp):
+    """serving.engine_start: a local base model skips Ray's node-initialisation task, and the single vLLM worker
+    runs in the engine core process (each process that imports vLLM costs 15-30 s of a start here)."""
+    log = processes.log_path(served.config.data_path, "serve").read_text(errors="replace")
+    this_start = log.rsplit("starting serve\n", 1)[1]
+    assert "Started vLLM engine" in this_start
+    assert "UniProcExecutor" in this_start and "MultiprocExecutor" not in this_start
+    assert "initialize_remote_node" not in this_start and "download model files" not in this_start
+
+
 def test_models_lists_served_aliases_with_versions(served: ServedApp):
     client = served.openai()
     cards = {m.id: m for m in client.models.list().data}
