@@ -6,7 +6,9 @@ Each process that imports vLLM pays 15-30 s on a small CPU machine (bench/README
   source (a local folder, an HF id that vLLM fetches itself) `LocalModelCallback` skips it.
 - On CPU Ray hands vLLM the multiprocessing executor, which spawns one worker process beside the engine
   core even for a single worker. `OneProcessVLLMEngine` runs that worker inside the engine core process
-  (vLLM's own choice for one worker) where the replica has one worker.
+  (vLLM's own choice for one worker) where the replica has one worker. The worker's OpenMP binding
+  (`VLLM_CPU_OMP_THREADS_BIND`, `auto` by default) then applies to the engine core process: its scheduler
+  shares the bound cores instead of keeping the one core `auto` leaves it.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from ray.llm._internal.common.callbacks.base import CallbackBase
 from ray.llm._internal.common.utils.cloud_utils import is_remote_path
 from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
+from vllm.utils.ompmultiprocessing import OMPProcessManager
 
 MULTIPROCESS_EXECUTOR, IN_PROCESS_EXECUTOR = "mp", "uni"
 
@@ -40,3 +43,10 @@ class OneProcessVLLMEngine(VLLMEngine):
         if parallel.world_size == 1 and parallel.distributed_executor_backend == MULTIPROCESS_EXECUTOR:
             parallel.distributed_executor_backend = IN_PROCESS_EXECUTOR
         return engine_args, frontend_args, engine_config
+
+    def _start_async_llm_engine(self, engine_args, engine_config, placement_group):
+        if engine_config.parallel_config.distributed_executor_backend != IN_PROCESS_EXECUTOR:
+            return super()._start_async_llm_engine(engine_args, engine_config, placement_group)
+        # the OpenMP environment vLLM gives its worker process, given to the engine core process it spawns now
+        with OMPProcessManager(engine_config).configure_omp_envs(rank=0, local_rank=0):
+            return super()._start_async_llm_engine(engine_args, engine_config, placement_group)
