@@ -410,12 +410,12 @@ def up(config: Config, timeout_s: float = 60.0) -> list[PartStatus]:
 
 
 def down(config: Config) -> list[str]:
-    """Stop every process rlops recorded in this data dir (stack, Ray nodes, serving, hooks); return their names."""
+    """Stop every process rlops recorded in this data dir (stack, Ray nodes, serving, hooks), the parts of one
+    `_stop_order` rank together; return their names."""
+    names = [record.name for record in processes.list_records(config.data_path)]
     stopped = []
-    records = sorted(processes.list_records(config.data_path), key=lambda r: _stop_order(r.name))
-    for record in records:
-        if processes.stop(config.data_path, record.name):
-            stopped.append(record.name)
+    for order in sorted({_stop_order(name) for name in names}):
+        stopped += processes.stop_together(config.data_path, [name for name in names if _stop_order(name) == order])
     return stopped
 
 
