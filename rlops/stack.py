@@ -7,6 +7,7 @@ never started here, only health-checked.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import secrets
@@ -412,10 +413,10 @@ def up(config: Config, timeout_s: float = 60.0) -> list[PartStatus]:
 def down(config: Config) -> list[str]:
     """Stop every process rlops recorded in this data dir (stack, Ray nodes, serving, hooks), the parts of one
     `_stop_order` rank together; return their names."""
-    names = [record.name for record in processes.list_records(config.data_path)]
+    names = sorted((record.name for record in processes.list_records(config.data_path)), key=_stop_order)
     stopped = []
-    for order in sorted({_stop_order(name) for name in names}):
-        stopped += processes.stop_together(config.data_path, [name for name in names if _stop_order(name) == order])
+    for _, rank in itertools.groupby(names, key=_stop_order):
+        stopped += processes.stop_together(config.data_path, list(rank))
     return stopped
 
 

@@ -18,9 +18,10 @@ import torch
 from ray.llm._internal.common.callbacks.base import CallbackBase
 from ray.llm._internal.common.utils.cloud_utils import is_remote_path
 from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
+from ray.llm._internal.serve.engines.vllm.vllm_models import EXECUTOR_BACKEND_MP
 from vllm.utils.ompmultiprocessing import OMPProcessManager
 
-MULTIPROCESS_EXECUTOR, IN_PROCESS_EXECUTOR = "mp", "uni"
+IN_PROCESS_EXECUTOR = "uni"  # vLLM's name for its one-process executor
 
 
 class LocalModelCallback(CallbackBase):
@@ -40,7 +41,7 @@ class OneProcessVLLMEngine(VLLMEngine):
     def _prepare_engine_config(self, callback_ctx):
         engine_args, frontend_args, engine_config = super()._prepare_engine_config(callback_ctx)
         parallel = engine_config.parallel_config
-        if parallel.world_size == 1 and parallel.distributed_executor_backend == MULTIPROCESS_EXECUTOR:
+        if parallel.world_size == 1 and parallel.distributed_executor_backend == EXECUTOR_BACKEND_MP:
             parallel.distributed_executor_backend = IN_PROCESS_EXECUTOR
         return engine_args, frontend_args, engine_config
 
