@@ -125,9 +125,7 @@ def test_models_list_with_10k_manifests_is_fast():
     started = time.perf_counter()
     body = big.models_json
     first_ms = (time.perf_counter() - started) * 1000
-    started = time.perf_counter()
     assert big.models_json is body  # serialized once per table
-    assert (time.perf_counter() - started) * 1000 < 1
     assert len(json.loads(body)["data"]) == 1 + 3 * 10_000
     assert first_ms < 2000
 
