@@ -149,7 +149,7 @@ def check(events: list[dict], staleness_s: float, slack_s: float = 0.5) -> tuple
     causes: Counter = Counter()
     for a in answers:
         if a["status"] != 200:
-            cause = "+".join(sorted({k for s, e, k in faults if s <= a["sent"] <= e})) or "none"
+            cause = "+".join(sorted({k for s, e, k in faults if s <= a["received"] and a["sent"] <= e})) or "none"
             if a["status"] >= 500 or a["status"] == 0:
                 causes[cause] += 1
                 if cause == "none":
@@ -178,8 +178,11 @@ def check(events: list[dict], staleness_s: float, slack_s: float = 0.5) -> tuple
         elif e["kind"] == "end_state" and e["problems"]:
             violations += [(e["t"], f"end state: {p}") for p in e["problems"]]
     converge = [e["seconds"] for e in events if e["kind"] == "converged"]
-    in_serving = [a for a in answers if any(s <= a["sent"] <= e for s, e, _ in _windows(events, SERVING_FAULTS))]
-    outside = [a for a in answers if not any(s <= a["sent"] <= e for s, e, _ in faults)]
+    def during(a: dict, windows: list) -> bool:  # in flight at any moment of one of the windows
+        return any(s <= a["received"] and a["sent"] <= e for s, e, _ in windows)
+
+    in_serving = [a for a in answers if during(a, _windows(events, SERVING_FAULTS))]
+    outside = [a for a in answers if not during(a, faults)]
     figures = {
         "faults": dict(Counter(e["fault"] for e in events if e["kind"] == "fault")),
         "requests": len(answers),
@@ -321,26 +324,39 @@ class Soak:
         self.trainer_config.write_text(json.dumps(trainer_config.model_dump(mode="json")))
         self.start_trainer()
         self.start_hooks()
-        processes.wait_healthy(None, self.hooks_ok, 120, "hooks service")
-        register_webhook(self.config.model_copy(update={"hooks": self.config.hooks.model_copy(
-            update={"secret": self.secret})}))
-        client = self.mlflow()
+        self.app_name = APP_NAME
+        deployed: list[BaseException] = []
+        deploy = threading.Thread(target=self.deploy, args=(deployed,))  # Serve's replicas start meanwhile
+        deploy.start()
         import mlflow
 
         mlflow.set_tracking_uri(self.config.tracking_uri)
         mlflow.set_registry_uri(self.config.tracking_uri)
+        client = self.mlflow()
         self.register = lambda: register(self.config, client, self.rng.choice(self.adapters))
         self.versions = [self.register() for _ in range(3)]
         operations.promote(self.config, MODEL, to_alias="production", version=self.versions[0], trigger="soak")
-        os.environ.update(ray_client_env(self.config))
-        import ray
-        from ray import serve
-        from ray.serve.llm import build_openai_app
+        processes.wait_healthy(None, self.hooks_ok, 120, "hooks service")
+        register_webhook(self.config.model_copy(update={"hooks": self.config.hooks.model_copy(
+            update={"secret": self.secret})}))
+        deploy.join()
+        if deployed:
+            raise deployed[0]
 
-        ray.init(address=self.config.ray_address, logging_level="WARNING", log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": self.config.serving.port}, proxy_location="HeadOnly")
-        serve.run(build_openai_app(echo_args(self.config)), name=APP_NAME, route_prefix="/")
-        self.app_name = APP_NAME
+    def deploy(self, failed: list[BaseException]) -> None:
+        """The alias app on the echo engine, on the cluster `rlops up` started."""
+        try:
+            os.environ.update(ray_client_env(self.config))
+            import ray
+            from ray import serve
+            from ray.serve.llm import build_openai_app
+
+            ray.init(address=self.config.ray_address, logging_level="WARNING", log_to_driver=False)
+            serve.start(http_options={"host": "127.0.0.1", "port": self.config.serving.port},
+                        proxy_location="HeadOnly")
+            serve.run(build_openai_app(echo_args(self.config)), name=self.app_name, route_prefix="/")
+        except BaseException as exc:  # noqa: BLE001 - raised again in start()
+            failed.append(exc)
 
     # -- the loops
 
@@ -484,6 +500,9 @@ class Soak:
             pid = self.replica_pid(rng)
             if fault == "replica_kill":
                 os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 30
+                while not self.serve_unwhole() and time.monotonic() < deadline:  # until Serve has noticed
+                    time.sleep(0.2)
             else:
                 os.kill(pid, signal.SIGSTOP)
                 time.sleep(self.args.hold)
@@ -508,10 +527,25 @@ class Soak:
         filler.unlink()
         return str(self.tmpfs)
 
-    def waiting_for(self, steps_before: int) -> list[str]:
-        """What is not yet back to normal (empty: converged)."""
+    def serve_unwhole(self) -> str:
+        """'' when every deployment is healthy with all its replicas running, else what is not."""
         from ray import serve
 
+        try:
+            app = serve.status().applications[self.app_name]
+        except Exception as exc:  # noqa: BLE001 - the controller busy or restarting counts as not whole
+            return f"status ({type(exc).__name__})"
+        for name, deployment in app.deployments.items():
+            want = self.config.serving.min_replicas if name.startswith("PreloadingLLMServer") \
+                else self.config.serving.ingress_replicas
+            states = {str(k).rsplit(".", 1)[-1]: n for k, n in deployment.replica_states.items() if n}
+            status = str(deployment.status).rsplit(".", 1)[-1]
+            if status != "HEALTHY" or set(states) != {"RUNNING"} or states["RUNNING"] < want:
+                return f"{name} {status} {states}"
+        return ""
+
+    def waiting_for(self, steps_before: int) -> list[str]:
+        """What is not yet back to normal (empty: converged)."""
         missing = []
         if not stack.mlflow_healthy(self.config.tracking_uri):
             missing.append("MLflow")
@@ -521,13 +555,9 @@ class Soak:
             missing.append("hooks")
         if stack.ray_alive_nodes(self.config) < self.config.ray.nodes:
             missing.append("Ray nodes")
-        try:
-            app = serve.status().applications[self.app_name]
-            unhealthy = [n for n, d in app.deployments.items() if str(d.status).rsplit(".", 1)[-1] != "HEALTHY"]
-            if unhealthy:
-                missing.append(f"Serve deployments {unhealthy}")
-        except Exception as exc:  # noqa: BLE001 - the controller busy or restarting counts as not converged
-            missing.append(f"Serve status ({type(exc).__name__})")
+        unwhole = self.serve_unwhole()
+        if unwhole:
+            missing.append(f"Serve {unwhole}")
         try:
             r = httpx.post(f"{self.url}/v1/chat/completions", timeout=5, json={
                 "model": self.name, "max_tokens": 1, "messages": [{"role": "user", "content": "probe"}]})
@@ -628,6 +658,7 @@ def run(args) -> tuple[list[str], dict, History]:
     threads: list[threading.Thread] = []
     try:
         soak.start()
+        print(f"stack, cluster, hooks, trainer and app up in {time.monotonic() - history.started:.0f} s", flush=True)
         history.started = time.monotonic()
         threads = [threading.Thread(target=soak.watch, daemon=True), threading.Thread(target=soak.programme, daemon=True)]
         threads += [threading.Thread(target=soak.client, args=(i,), daemon=True) for i in range(args.clients)]
@@ -648,11 +679,13 @@ def run(args) -> tuple[list[str], dict, History]:
             fault = order.pop()
             print(f"[{history.now():7.1f} s] fault {fault_id}: {fault}", flush=True)
             soak.fault(fault_id, fault, rng)
-        time.sleep(3.0)  # the last answers after the last convergence
+        time.sleep(1.0)  # answers after the last convergence
         soak.stop.set()
         for thread in threads:
             thread.join(timeout=30)
+        ending = time.monotonic()
         history.add("end_state", problems=soak.end_state())
+        print(f"end state checked in {time.monotonic() - ending:.0f} s", flush=True)
     finally:
         soak.stop.set()
         if soak.trainer is not None and soak.trainer.poll() is None:
@@ -660,11 +693,7 @@ def run(args) -> tuple[list[str], dict, History]:
         try:
             import ray
 
-            if ray.is_initialized():
-                from ray import serve
-
-                serve.shutdown()
-                ray.shutdown()
+            ray.shutdown()  # the app goes with the cluster's nodes below
         finally:
             stack.down(config)
             if soak.tmpfs:
