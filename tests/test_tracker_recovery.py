@@ -227,3 +227,40 @@ def test_a_short_write_on_a_full_disk_leaves_no_half_step_in_the_spool(tmp_path,
     spool.sync()
     spool.close()
     assert len(MetricSpool(tmp_path).unacknowledged()[0].bodies) == 3
+
+
+def test_a_caught_up_spool_is_emptied_during_the_run_and_a_resume_still_knows_its_last_step(tmp_path, monkeypatch):
+    """The soak's finding (issue 34): acknowledged lines stayed until a session opened the file with nothing
+    pending, so a long run with restarts filled its disk. Past COMPACT_BYTES a caught-up file is emptied."""
+    monkeypatch.setattr(spool_module, "COMPACT_BYTES", 200)
+    spool = MetricSpool(tmp_path)
+    first = spool.append([encode("m", float(s), s, s) for s in range(1, 11)])
+    spool.acknowledge(5)  # not caught up: nothing goes
+    assert len((tmp_path / "spool.jsonl").read_text().splitlines()) == 10
+    spool.acknowledge(first.last_seq)
+    assert (tmp_path / "spool.jsonl").read_text() == "" and (tmp_path / "spool.last_step").read_text() == "10"
+    later = spool.append([encode("m", 11.0, 11, 11)])  # numbering goes on; the line is appended at 0
+    assert later.first_seq == 11
+    spool.close()
+    reopened = MetricSpool(tmp_path)
+    assert reopened.previous_last_step == 11 and [c.first_seq for c in reopened.unacknowledged()] == [11]
+    assert reopened.append([encode("m", 12.0, 12, 12)]).first_seq == 12
+    reopened.close()
+
+
+def test_a_spool_line_appended_while_the_sender_compacts_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(spool_module, "COMPACT_BYTES", 100)
+    spool = MetricSpool(tmp_path)
+    chunk = spool.append([encode("m", float(s), s, s) for s in range(1, 6)])
+    real_write_atomically = spool_module.write_atomically
+
+    def append_meanwhile(path, text):  # the training thread appends between the two locked sections
+        real_write_atomically(path, text)
+        if path.name == "spool.last_step":
+            spool.append([encode("m", 6.0, 6, 6)])
+
+    monkeypatch.setattr(spool_module, "write_atomically", append_meanwhile)
+    spool.acknowledge(chunk.last_seq)
+    monkeypatch.setattr(spool_module, "write_atomically", real_write_atomically)
+    spool.close()
+    assert [json.loads(b)["step"] for c in MetricSpool(tmp_path).unacknowledged() for b in c.bodies] == [6]

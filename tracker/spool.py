@@ -7,6 +7,9 @@ Files (in the tracker's state dir beside the trainer's checkpoints):
 - `spool.last_step`: the highest step of any point spooled by earlier sessions of this run (the spool file
   is emptied once everything landed, so the step a resumed run continues after is kept here).
 
+The file is emptied when a session opens it with everything acknowledged, and during a session whenever the
+sender has caught up and the file holds more than COMPACT_BYTES: a long run's spool stays bounded on disk.
+
 A restart replays every point above the watermark. Exactly once holds because the timestamp is fixed
 at enqueue: MLflow keys a metric row by (key, timestamp, step, value), so a replayed point that had
 already landed (acknowledged by the server but not yet recorded here) is dropped by the server.
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 SPOOL_FILE = "spool.jsonl"
 ACK_FILE = "spool.ack"
 LAST_STEP_FILE = "spool.last_step"
+COMPACT_BYTES = 4 << 20
 
 
 class Point(NamedTuple):
@@ -141,6 +145,7 @@ class MetricSpool:
         if existing and not self._pending_at_open:
             self._path.write_text("")  # everything landed; numbering stays monotonic via the watermark
         self._unwritten = bytearray()  # spool bytes a full disk held back, in order
+        self._written_seq = self.last_seq  # the last point whose line is in the file
         self.last_error: str | None = None
         drop_torn_tail(self._path)
         # O_APPEND + one os.write per call: a kill -9 leaves whole lines in the page cache.
@@ -189,6 +194,7 @@ class MetricSpool:
             if self._unwritten:
                 append_whole(self._fd, self._unwritten)
                 self._unwritten.clear()
+            self._written_seq = self._next_seq - 1
             self.last_error = None
             return True
         except OSError as exc:
@@ -199,11 +205,30 @@ class MetricSpool:
             return False
 
     def acknowledge(self, seq: int) -> None:
-        """Record the watermark; raises OSError (disk full) with the watermark unchanged."""
+        """Record the watermark, then empty the file if it is large and every line in it is acknowledged;
+        raises OSError (disk full) with the watermark unchanged."""
         if seq <= self.acked:
             return
         write_atomically(self._ack_path, str(seq))
         self.acked = seq
+        self._compact()
+
+    def _compact(self) -> None:
+        """Empty a caught-up file larger than COMPACT_BYTES. Its highest step goes to LAST_STEP_FILE first
+        (read outside the lock: acknowledged lines never change), so a crash at any point leaves either the
+        old lines, all acknowledged (dropped at the next open), or an empty file and the step."""
+        with self._lock:
+            size = os.fstat(self._fd).st_size
+            if self._closed or size <= COMPACT_BYTES or self._unwritten or self._written_seq > self.acked:
+                return
+        with self._path.open("rb") as fh:
+            lines = fh.read(size).decode().splitlines()
+        last_step = max([_read_int(self.state_dir / LAST_STEP_FILE, -1), self.previous_last_step,
+                         *(row[2] for line in lines if (row := _parse_line(line)) is not None)])
+        write_atomically(self.state_dir / LAST_STEP_FILE, str(last_step))
+        with self._lock:  # only if nothing was appended meanwhile; else the next acknowledgement tries again
+            if not self._closed and os.fstat(self._fd).st_size == size and not self._unwritten:
+                os.ftruncate(self._fd, 0)
 
     def close(self) -> None:
         with self._lock:
