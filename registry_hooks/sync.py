@@ -272,7 +272,7 @@ class Promoter:
 
     def prepare(self, model: str, version: int, *, collected: bool = False) -> AliasRoute:
         """Make `<model>-v<version>/` complete and verified; raise InvalidAdapter if the version can't be served.
-        `collected`: gc marked the version, so whatever is left of its folder is cleared and copied again."""
+        `collected`: gc marked the version, so whatever is left of its folder is copied over again."""
         with self.source_files(model, version) as (files, source):
             return self._prepare_from(files, model, version, source, collected)
 
@@ -283,11 +283,10 @@ class Promoter:
         prefix = self.location.key(folder)
         route = AliasRoute(version=version, folder=folder, files=checksums, promoted_at=utc_now(), trigger="")
         existing = storage.list_folder(self.dest, self.location.bucket, prefix)
-        if collected and existing:
-            # Nothing serves a collected version, and a gc may have stopped half-way: never trust the remains.
-            storage.delete_folder(self.dest, self.location.bucket, prefix, list(existing))
-            existing = {}
-        if ADAPTER_CONFIG in existing:
+        # A collected version's remains may be a gc stopped half-way: every file is copied again over them, never
+        # deleted first, since a concurrent sync (the webhook's beside a promote's) may just have copied and
+        # published this same folder; the bytes written are the same, so a reader sees one file or the other.
+        if ADAPTER_CONFIG in existing and not collected:
             self._verify_complete(prefix, existing, checksums)
             return route
         copy_started = time.monotonic()

@@ -15,7 +15,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from registry_hooks import operations
+from registry_hooks import operations, storage
 from registry_hooks.sync import sync_model
 from registry_hooks.operations import gc
 from registry_hooks.sync import Promoter, Refused
@@ -136,7 +136,8 @@ def test_kill_9_mid_sync_then_rerun_completes(stack, test_config, promotion_in_f
     assert v1 in outcomes, outcomes  # at least one kill landed before the publish
 
 
-def test_gc_keeps_referenced_recent_and_young_folders(stack, test_config, mlflow_client, lora_template, tmp_path):
+def test_gc_keeps_referenced_recent_and_young_folders(stack, test_config, mlflow_client, lora_template, tmp_path,
+                                                     monkeypatch):
     model = test_config.registry.models[0]
     versions = [register_version(test_config, write_adapter(lora_template, tmp_path / f"a{i}", test_config, seed=i),
                                  step=i) for i in (1, 2, 3, 4)]
@@ -181,6 +182,13 @@ def test_gc_keeps_referenced_recent_and_young_folders(stack, test_config, mlflow
     time.sleep(test_config.registry.gc_lease_s)
     assert sync_model(test_config, model, trigger="test").served["production"] == v1
     assert v1 not in assert_manifest_consistent(stack, test_config).collected_versions()
+    # A sync that read the manifest before that publish (the webhook's, beside a promote: the soak's finding,
+    # issue 34) prepares v1 as collected too: it copies over the published folder, it never deletes it.
+    deleted = []
+    monkeypatch.setattr(storage, "delete_folder", lambda *args: deleted.append(args))
+    Promoter(test_config).prepare(model, v1, collected=True)
+    assert deleted == []
+    assert_manifest_consistent(stack, test_config)
 
 
 def test_gc_racing_promote_never_leaves_a_named_folder_missing(stack, test_config, mlflow_client, lora_template, tmp_path):
