@@ -10,11 +10,13 @@ once for `--minutes`:
   eval every 10 steps, restarted on the same run dir when it dies), its MLflow traffic through a stall proxy;
 - a promotion programme every 2-5 s: register a version (a real peft adapter of the tiny VLM), promote it,
   move staging with a plain MLflow client (the webhook path), start / promote / abort a canary, roll back, gc.
-Faults, one every `--fault-every` s, kinds in a seeded order: SIGKILL and SIGSTOP of the MLflow server, the S3
-server, the hooks service and one Serve replica; SIGKILL of the Ray worker node (raylet and its workers); a 3 s
-stall of either proxy; SIGKILL of the trainer; the tracker's disk full (a 16 MiB tmpfs, root only). A killed
-part is started again the way an operator would (`rlops up` for the stack and the node, the same command for
-the hooks service and the trainer; Serve restarts its own replicas).
+Faults, each `--fault-every` s (on average) after the one before has converged, kinds in a seeded order (every
+kind once per shuffled round): SIGKILL and SIGSTOP of the MLflow server, the S3 server, the hooks service and one
+Serve replica; SIGKILL of the Ray worker node (raylet and its workers); a stall of either proxy; SIGKILL of the
+trainer; the tracker's disk full (a 16 MiB tmpfs, root only). A SIGSTOP, a stall or a full disk lasts `--hold` s.
+A killed part is started again the way an operator would (`rlops up` for the stack and the node, the same
+command for the hooks service and the trainer; Serve replaces its own replicas). `--nodes 1` (one raylet with
+4 CPUs, no node kill) is the suite's short variant (tests/test_soak.py).
 
 Everything lands in one history (answers, manifest intents seen in S3, folder checks, operations, faults,
 recoveries, convergence), checked afterwards by `check()`; the checker names the first violation. Invariants:
@@ -28,8 +30,8 @@ candidate is the best checkpoint; at the end the manifest's production equals th
 Figures (bench/results.json): violations (goal 0) against the faults injected; convergence p50/max against its
 bound; availability during serving faults against availability outside faults.
 
-Usage: python bench/soak.py [--minutes 20] [--seed 1] [--fault-every 10] [--clients 4] [--history PATH]
-       [--no-record]
+Usage: python bench/soak.py [--minutes 20] [--faults N] [--seed 1] [--fault-every 10] [--hold 3] [--nodes 2]
+       [--clients 4] [--kinds a,b,...] [--history PATH] [--no-record]
 """
 from __future__ import annotations
 
@@ -177,11 +179,14 @@ def check(events: list[dict], staleness_s: float, slack_s: float = 0.5) -> tuple
                                        f"{e['bound_s']:.0f} s: {e['waiting_for']}"))
         elif e["kind"] == "end_state" and e["problems"]:
             violations += [(e["t"], f"end state: {p}") for p in e["problems"]]
-    converge = [e["seconds"] for e in events if e["kind"] == "converged"]
+    converged = [e for e in events if e["kind"] == "converged"]
+    converge = [e["seconds"] for e in converged]
+    worst = max(converged, key=lambda e: e["seconds"] / e.get("bound_s", 1), default=None)
     def during(a: dict, windows: list) -> bool:  # in flight at any moment of one of the windows
         return any(s <= a["received"] and a["sent"] <= e for s, e, _ in windows)
 
-    in_serving = [a for a in answers if during(a, _windows(events, SERVING_FAULTS))]
+    serving_faults = _windows(events, SERVING_FAULTS)
+    in_serving = [a for a in answers if during(a, serving_faults)]
     outside = [a for a in answers if not during(a, faults)]
     figures = {
         "faults": dict(Counter(e["fault"] for e in events if e["kind"] == "fault")),
@@ -190,6 +195,9 @@ def check(events: list[dict], staleness_s: float, slack_s: float = 0.5) -> tuple
         "availability_outside_faults": _availability(outside),
         "converge_p50_s": statistics.median(converge) if converge else None,
         "converge_max_s": max(converge) if converge else None,
+        "converge_worst": {k: worst[k] for k in ("fault", "seconds", "bound_s")} if worst else None,
+        "converge_by_kind": {kind: max(e["seconds"] for e in converged if e["fault"] == kind)
+                             for kind in sorted({e["fault"] for e in converged})},
         "errors_by_cause": dict(causes),
         "operations": dict(Counter(f"{e['op']}:{e['outcome']}" for e in events if e["kind"] == "op")),
         "intents": len(intents),
@@ -584,7 +592,7 @@ class Soak:
             missing = self.waiting_for(steps)
             waited.update({m: round(self.history.now() - injected["t"], 1) for m in missing})
             if not missing:  # timed from the fault itself: a kill's restart is part of its recovery
-                self.history.add("converged", fault_id=fault_id, fault=fault, waited=waited,
+                self.history.add("converged", fault_id=fault_id, fault=fault, waited=waited, bound_s=bound,
                                  seconds=round(self.history.now() - injected["t"], 3))
                 return
             if self.history.now() - injected["t"] > bound:
@@ -738,9 +746,10 @@ def main() -> None:
         record("soak.py", len(violations), f"invariant violations in a {args.minutes:g}-minute soak (seed {args.seed})",
                faults, len(violations) / max(faults, 1), "0 violations with >= 100 faults in 20 minutes "
                "(baseline = faults injected)")
-        record("soak.py:converge", figures["converge_max_s"], "s max time from a fault's undoing to convergence "
-               f"(p50 {figures['converge_p50_s']:.1f} s)", DEFAULT_BOUND_S,
-               figures["converge_max_s"] / DEFAULT_BOUND_S, f"<= {DEFAULT_BOUND_S:g} s (node kill: "
+        worst = figures["converge_worst"]
+        record("soak.py:converge", worst["seconds"], f"s from a fault to convergence, the fault closest to its bound "
+               f"({worst['fault']}; p50 of all {figures['converge_p50_s']:.1f} s)", worst["bound_s"],
+               worst["seconds"] / worst["bound_s"], f"<= {DEFAULT_BOUND_S:g} s from the fault (node kill: "
                f"{CONVERGE_BOUND_S['node_kill']:g} s)")
         inside, outside = figures["availability_serving_faults"], figures["availability_outside_faults"]
         record("soak.py:availability", inside, "share of 200 answers sent during serving faults", outside,

@@ -31,7 +31,7 @@ def clean() -> list[dict]:
               {"t": 30.0, "kind": "fault", "fault_id": 1, "fault": "replica_kill"},
               {"t": 30.5, "kind": "answer", "sent": 30.2, "received": 30.5, "user": "a", "status": 500,
                "version": None, "error": "Internal Server Error"},
-              {"t": 32.0, "kind": "converged", "fault_id": 1, "fault": "replica_kill", "seconds": 2.0},
+              {"t": 32.0, "kind": "converged", "fault_id": 1, "fault": "replica_kill", "seconds": 2.0, "bound_s": 60.0},
               {"t": 40.0, "kind": "end_state", "problems": []}]
     events += [answer(t, "a", 1) for t in (1.0, 5.0, 12.0, 25.0)]
     events += [answer(t, "b", 1) for t in (2.0, 6.0)] + [answer(t, "b", 2) for t in (11.5, 15.0)]
@@ -75,7 +75,7 @@ def test_a_5xx_outside_any_fault_a_missing_folder_and_a_slow_recovery_are_named_
 
 def test_while_the_ingress_cannot_read_s3_an_older_version_is_allowed_until_the_bound_after_it():
     events = clean() + [{"t": 19.0, "kind": "fault", "fault_id": 2, "fault": "s3_stop"},
-                        {"t": 23.0, "kind": "converged", "fault_id": 2, "fault": "s3_stop", "seconds": 4.0},
+                        {"t": 23.0, "kind": "converged", "fault_id": 2, "fault": "s3_stop", "seconds": 4.0, "bound_s": 60.0},
                         answer(23.5, "c", 2)]
     assert check(events, STALENESS_S)[0] == []
     assert check(events + [answer(26.0, "d", 2)], STALENESS_S)[0] != []
