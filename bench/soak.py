@@ -70,9 +70,13 @@ from rlops.layout import ADAPTER_CONFIG, RoutesManifest, parse_s3_uri, routes_ke
 
 APP = "soak"
 USERS = [f"soak-user-{i:02d}" for i in range(40)]
-CONVERGE_BOUND_S = {"node_kill": 240.0}  # a raylet's restart imports Ray's agents: minutes on 2 loaded cores
+# A raylet's restart imports Ray's agents, a replacement replica vLLM's modules: minutes on 2 loaded cores.
+CONVERGE_BOUND_S = {"node_kill": 240.0, "replica_kill": 120.0}
 DEFAULT_BOUND_S = 60.0
 WATCH_S = 0.25  # the manifest watcher's period
+# A checkpoint every 100 steps of 0.1 s: at tracker_chaos's 10, a checkpoint a second, uploads fell behind on 2
+# loaded cores and the backlog filled the trainer's 16 MiB disk within 20 minutes (a real run saves every minutes).
+CKPT_EVERY = 100
 # Kinds that keep the ingress from reading the routes (its staleness bound cannot hold while they last).
 ROUTES_BLIND = {"s3_kill", "s3_stop"}
 SERVING_FAULTS = {"replica_kill", "replica_stop", "node_kill", "s3_kill", "s3_stop"}
@@ -165,8 +169,9 @@ def check(events: list[dict], staleness_s: float, slack_s: float = 0.5) -> tuple
                                           f"routes intent allowed {sorted(ok)} between {start:.2f} and {end:.2f} s"))
         before = last_by_user.get(a["user"])
         if before is not None and before["version"] != a["version"]:
+            # the two may overlap (one user, several clients): the move may come until the later one returned
             start = window(before["sent"], before["received"])[0]
-            if not intent_changed(start, a["received"] + slack_s):
+            if not intent_changed(start, max(before["received"], a["received"]) + slack_s):
                 violations.append((a["sent"], f"user {a['user']} switched v{before['version']} -> v{a['version']} "
                                               f"between {before['sent']:.2f} and {a['sent']:.2f} s without a move"))
         last_by_user[a["user"]] = a
@@ -298,7 +303,8 @@ class Soak:
     def start_trainer(self) -> None:
         self.trainer = subprocess.Popen(
             [sys.executable, str(BENCH / "tracker_chaos.py"), "--trainer", str(self.trainer_config), str(self.run_dir),
-             str(self.ckpt_dir), str(self.stop_file)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             str(self.ckpt_dir), str(self.stop_file), "--ckpt-every", str(CKPT_EVERY)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
     def keep_trainer_running(self) -> None:
         if self.trainer is not None and self.trainer.poll() is not None and self.trainer_final is None:
@@ -619,7 +625,7 @@ class Soak:
         counting = load_config(self.trainer_config, environ={})
         counting.server.port = self.config.server.port
         flush_run_dir(counting, self.run_dir, timeout_s=120)
-        counts = count_points(counting, self.run_dir, int(self.trainer_final.split()[1]))
+        counts = count_points(counting, self.run_dir, int(self.trainer_final.split()[1]), CKPT_EVERY)
         self.counts = counts
         for what in ("lost", "duplicated", "wrong_values", "wrong_registrations"):
             if counts[what]:
@@ -750,7 +756,7 @@ def main() -> None:
         record("soak.py:converge", worst["seconds"], f"s from a fault to convergence, the fault closest to its bound "
                f"({worst['fault']}; p50 of all {figures['converge_p50_s']:.1f} s)", worst["bound_s"],
                worst["seconds"] / worst["bound_s"], f"<= {DEFAULT_BOUND_S:g} s from the fault (node kill: "
-               f"{CONVERGE_BOUND_S['node_kill']:g} s)")
+               f"{CONVERGE_BOUND_S['node_kill']:g} s, replica kill: {CONVERGE_BOUND_S['replica_kill']:g} s)")
         inside, outside = figures["availability_serving_faults"], figures["availability_outside_faults"]
         record("soak.py:availability", inside, "share of 200 answers sent during serving faults", outside,
                inside / outside if inside is not None and outside else None, "reported (baseline: outside faults)")

@@ -40,15 +40,15 @@ def value(step: int, i: int) -> float:
     return step + i / 100
 
 
-def score(step: int) -> float:
+def score(step: int, ckpt_every: int = CKPT_EVERY) -> float:
     """A deterministic eval score per checkpoint whose best is not the last one."""
-    return ((step // CKPT_EVERY) * 37 % 101) / 101
+    return ((step // ckpt_every) * 37 % 101) / 101
 
 
 # ------------------------------------------------------------------------------------------- trainer
 
 
-def trainer(config_path: str, run_dir: str, ckpt_dir: str, stop_file: str) -> None:
+def trainer(config_path: str, run_dir: str, ckpt_dir: str, stop_file: str, ckpt_every: int = CKPT_EVERY) -> None:
     progress = Path(stop_file).with_name("progress")
     from rlops.config import load_config
     from tracker import RunSession
@@ -63,14 +63,14 @@ def trainer(config_path: str, run_dir: str, ckpt_dir: str, stop_file: str) -> No
             session.log_metrics({k: value(step, i) for i, k in enumerate(KEYS)}, step=step)
             with open(progress, "a") as fh:  # tells the orchestrator that training moves (outside the tmpfs)
                 fh.write(f"{step}\n")
-            if step % CKPT_EVERY:
+            if step % ckpt_every:
                 continue
             folder = ckpts / f"ckpt-{step}"
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "adapter_model.safetensors").write_bytes(f"weights of step {step}".encode() * 64)
             (folder / "adapter_config.json").write_text(json.dumps({"step": step}))
             session.log_checkpoint(folder, step=step)
-            session.log_eval(SOURCE, score(step), [], step=step)
+            session.log_eval(SOURCE, score(step, ckpt_every), [], step=step)
             if os.path.exists(stop_file):
                 break
         version = session.register_best(SOURCE)
@@ -154,7 +154,7 @@ class Chaos:
             filler.unlink()
 
 
-def count(config, run_dir: Path, final_step: int) -> dict:
+def count(config, run_dir: Path, final_step: int, ckpt_every: int = CKPT_EVERY) -> dict:
     from mlflow import MlflowClient
 
     from tracker.state import stored_run_id
@@ -162,17 +162,17 @@ def count(config, run_dir: Path, final_step: int) -> dict:
     client = MlflowClient(tracking_uri=config.tracking_uri, registry_uri=config.tracking_uri)
     run_id = stored_run_id(run_dir)
     expected = {(k, s) for k in KEYS for s in range(1, final_step + 1)}
-    expected |= {(f"eval/{SOURCE}/avg_score", s) for s in range(CKPT_EVERY, final_step + 1, CKPT_EVERY)}
+    expected |= {(f"eval/{SOURCE}/avg_score", s) for s in range(ckpt_every, final_step + 1, ckpt_every)}
     seen: Counter = Counter()
     wrong_values = 0
     for key in KEYS + [f"eval/{SOURCE}/avg_score"]:
         for m in client.get_metric_history(run_id, key):
             seen[(key, m.step)] += 1
-            want = score(m.step) if key.startswith("eval/") else value(m.step, KEYS.index(key))
+            want = score(m.step, ckpt_every) if key.startswith("eval/") else value(m.step, KEYS.index(key))
             wrong_values += abs(m.value - want) > 1e-9
     lost = len(expected - set(seen))
     duplicated = sum(n - 1 for n in seen.values() if n > 1) + sum(n for p, n in seen.items() if p not in expected)
-    best = max(range(CKPT_EVERY, final_step + 1, CKPT_EVERY), key=lambda s: (score(s), s))
+    best = max(range(ckpt_every, final_step + 1, ckpt_every), key=lambda s: (score(s, ckpt_every), s))
     try:
         candidate = client.get_model_version_by_alias(config.registered_model, "candidate")
         wrong = int(candidate.tags.get(TAG_STEP) != str(best))
@@ -199,9 +199,10 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=20)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--trainer", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--ckpt-every", type=int, default=CKPT_EVERY, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trainer:
-        trainer(*args.trainer)
+        trainer(*args.trainer, ckpt_every=args.ckpt_every)
         return
 
     from _results import record

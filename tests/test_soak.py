@@ -98,3 +98,11 @@ def test_short_soak_ten_faults_no_violation(tmp_path):
     [end] = [e for e in events if e["kind"] == "end_state"]
     assert end["problems"] == []
     assert "0 violations" in done.stdout
+
+
+def test_two_overlapping_answers_of_one_user_may_straddle_a_move():
+    """The long soak's false alarm: a request stuck on a stopped replica returned the new version after the
+    move, while the same user's next request had already returned the old one."""
+    events = clean() + [answer(40.0, "e", 1), answer(41.0, "e", 2, took=3.0), answer(41.1, "e", 1),
+                        {"t": 43.0, "kind": "intent", "allowed": [2], "generation": 4}]
+    assert check(events, STALENESS_S)[0] == []
