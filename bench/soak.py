@@ -7,7 +7,7 @@ once for `--minutes`:
   threads, each request from one of 40 sticky OpenAI `user`s to `<base>:<model>` (production);
 - `rlops hooks serve` (webhook receiver + reconciler every 5 s), its S3 traffic through a stall proxy;
 - training through the tracker: bench/tracker_chaos.py's trainer (20 metrics per 0.1 s step, a checkpoint and an
-  eval every 10 steps, restarted on the same run dir when it dies), its MLflow traffic through a stall proxy;
+  eval every 100 steps, restarted on the same run dir when it dies), its MLflow traffic through a stall proxy;
 - a promotion programme every 2-5 s: register a version (a real peft adapter of the tiny VLM), promote it,
   move staging with a plain MLflow client (the webhook path), start / promote / abort a canary, roll back, gc.
 Faults, each `--fault-every` s (on average) after the one before has converged, kinds in a seeded order (every
