@@ -60,8 +60,8 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 from _results import record  # noqa: E402
 from ingress_overhead import echo_args  # noqa: E402
+from tracker_chaos import Chaos, fill_disk, mount_tmpfs  # noqa: E402
 from tracker_chaos import count as count_points  # noqa: E402
-from tracker_chaos import mount_tmpfs  # noqa: E402
 from vllm_lora import MODEL, write_adapters  # noqa: E402
 
 from rlops import processes, stack  # noqa: E402
@@ -277,11 +277,8 @@ class Soak:
         self.tracker_proxy = StallProxy(config.server.port)
         self.hooks_proxy = StallProxy(int(config.storage.endpoint_url.rsplit(":", 1)[1]))
         self.tmpfs = mount_tmpfs(root / "tmpfs") if "disk_full" in args.kinds else None
-        self.run_dir = (self.tmpfs or root) / "run"
-        self.ckpt_dir, self.stop_file = root / "ckpts", root / "stop"
-        self.trainer_config = root / "trainer.json"
-        self.trainer: subprocess.Popen | None = None
-        self.trainer_final: str | None = None
+        # the trainer, restarted on its run dir whenever it dies, as in bench/tracker_chaos.py
+        self.training = Chaos(config, root / "trainer.json", root, self.tmpfs, ckpt_every=CKPT_EVERY)
         self.secret = secrets.token_urlsafe(32)
 
     # -- parts
@@ -300,25 +297,6 @@ class Soak:
     def hooks_ok(self) -> bool:
         return stack.http_ok(f"http://127.0.0.1:{self.config.hooks.port}/healthz")
 
-    def start_trainer(self) -> None:
-        self.trainer = subprocess.Popen(
-            [sys.executable, str(BENCH / "tracker_chaos.py"), "--trainer", str(self.trainer_config), str(self.run_dir),
-             str(self.ckpt_dir), str(self.stop_file), "--ckpt-every", str(CKPT_EVERY)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-
-    def keep_trainer_running(self) -> None:
-        if self.trainer is not None and self.trainer.poll() is not None and self.trainer_final is None:
-            out = self.trainer.stdout.read()
-            if self.trainer.returncode == 0 and out.startswith("DONE"):
-                self.trainer_final = out.strip()
-                return
-            self.history.add("restart", part="trainer", returncode=self.trainer.returncode)
-            self.start_trainer()
-
-    def steps_logged(self) -> int:
-        path = self.stop_file.with_name("progress")
-        return len(path.read_text().splitlines()) if path.exists() else 0
-
     def start(self) -> None:
         from registry_hooks import operations
         from registry_hooks.subscriptions import register_webhook
@@ -335,8 +313,8 @@ class Soak:
         trainer_config = self.config.model_copy(deep=True)
         trainer_config.server.port = self.tracker_proxy.port
         trainer_config.tracking.registered_model = "soak-train"
-        self.trainer_config.write_text(json.dumps(trainer_config.model_dump(mode="json")))
-        self.start_trainer()
+        self.training.config_path.write_text(json.dumps(trainer_config.model_dump(mode="json")))
+        self.training.start_trainer()
         self.start_hooks()
         self.app_name = APP_NAME
         deployed: list[BaseException] = []
@@ -526,19 +504,9 @@ class Soak:
             (self.tracker_proxy if fault == "stall_tracker" else self.hooks_proxy).stall(self.args.hold)
             return fault.removeprefix("stall_")
         if fault == "trainer_kill":
-            self.trainer.send_signal(signal.SIGKILL)
-            self.trainer.wait()
-            self.keep_trainer_running()
+            self.training.inject(fault)
             return "trainer"
-        filler = self.tmpfs / "filler"  # disk_full
-        with open(filler, "wb", buffering=0) as fh:
-            try:
-                while True:
-                    fh.write(b"\0" * 65536)
-            except OSError:
-                pass
-        time.sleep(self.args.hold)
-        filler.unlink()
+        fill_disk(self.tmpfs, self.args.hold, time.sleep)  # disk_full
         return str(self.tmpfs)
 
     def serve_unwhole(self) -> str:
@@ -579,8 +547,8 @@ class Soak:
                 missing.append(f"production answer ({r.status_code}, v{r.headers.get('x-rlops-model-version')})")
         except httpx.HTTPError as exc:
             missing.append(f"production answer ({type(exc).__name__})")
-        self.keep_trainer_running()
-        if self.steps_logged() <= steps_before:
+        self.training.keep_trainer_running()
+        if self.training.steps_logged() <= steps_before:
             missing.append("training steps")
         return missing
 
@@ -592,7 +560,7 @@ class Soak:
             self.history.add("inject_failed", fault_id=fault_id, fault=fault, error=f"{type(exc).__name__}: {exc}")
             target = None
         self.history.add("recovered", fault_id=fault_id, fault=fault, target=target)
-        steps, bound = self.steps_logged(), CONVERGE_BOUND_S.get(fault, DEFAULT_BOUND_S)
+        steps, bound = self.training.steps_logged(), CONVERGE_BOUND_S.get(fault, DEFAULT_BOUND_S)
         waited: dict[str, float] = {}  # what was not back yet, and when it last was not
         while True:
             missing = self.waiting_for(steps)
@@ -614,18 +582,17 @@ class Soak:
         the registry's once the reconciler has had a pass."""
         from tracker import flush_run_dir
 
-        problems = []
-        self.stop_file.write_text("stop")
+        problems, training = [], self.training
+        training.stop_file.write_text("stop")
         deadline = time.monotonic() + 180
-        while self.trainer_final is None and time.monotonic() < deadline:
-            self.keep_trainer_running()
-            time.sleep(0.5)
-        if self.trainer_final is None:
+        while training.final is None and time.monotonic() < deadline:
+            training.wait(0.5)
+        if training.final is None:
             return ["the trainer did not finish within 180 s of its stop"]
-        counting = load_config(self.trainer_config, environ={})
+        counting = load_config(training.config_path, environ={})
         counting.server.port = self.config.server.port
-        flush_run_dir(counting, self.run_dir, timeout_s=120)
-        counts = count_points(counting, self.run_dir, int(self.trainer_final.split()[1]), CKPT_EVERY)
+        flush_run_dir(counting, training.run_dir, timeout_s=120)
+        counts = count_points(counting, training.run_dir, int(training.final.split()[1]), CKPT_EVERY)
         self.counts = counts
         for what in ("lost", "duplicated", "wrong_values", "wrong_registrations"):
             if counts[what]:
@@ -702,8 +669,8 @@ def run(args) -> tuple[list[str], dict, History]:
         print(f"end state checked in {time.monotonic() - ending:.0f} s", flush=True)
     finally:
         soak.stop.set()
-        if soak.trainer is not None and soak.trainer.poll() is None:
-            soak.trainer.kill()
+        if soak.training.child is not None and soak.training.child.poll() is None:
+            soak.training.child.kill()
         try:
             import ray
 
@@ -717,6 +684,7 @@ def run(args) -> tuple[list[str], dict, History]:
             shutil.rmtree(root, ignore_errors=True)
     violations, figures = check(history.events, config.serving.routes_staleness_s)
     figures["points"] = getattr(soak, "counts", {})
+    figures["trainer_restarts"] = soak.training.restarts
     figures["minutes"] = max((e["t"] for e in history.events), default=0.0) / 60
     return violations, figures, history
 

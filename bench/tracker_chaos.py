@@ -80,9 +80,22 @@ def trainer(config_path: str, run_dir: str, ckpt_dir: str, stop_file: str, ckpt_
 # ------------------------------------------------------------------------------------------- faults
 
 
+def fill_disk(tmpfs: Path, seconds: float, wait) -> None:
+    """Fill `tmpfs` to the last byte, `wait(seconds)`, free it again."""
+    filler = tmpfs / "filler"
+    with open(filler, "wb", buffering=0) as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 65536)
+        except OSError:
+            pass
+    wait(seconds)
+    filler.unlink()
+
+
 class Chaos:
-    def __init__(self, config, config_path: Path, root: Path, tmpfs: Path | None):
-        self.config, self.config_path, self.root = config, config_path, root
+    def __init__(self, config, config_path: Path, root: Path, tmpfs: Path | None, ckpt_every: int = CKPT_EVERY):
+        self.config, self.config_path, self.root, self.ckpt_every = config, config_path, root, ckpt_every
         self.run_dir = (tmpfs or root) / "run"
         self.ckpt_dir, self.stop_file = root / "ckpts", root / "stop"
         self.tmpfs = tmpfs
@@ -93,7 +106,8 @@ class Chaos:
     def start_trainer(self) -> None:
         self.child = subprocess.Popen(
             [sys.executable, __file__, "--trainer", str(self.config_path), str(self.run_dir), str(self.ckpt_dir),
-             str(self.stop_file)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             str(self.stop_file), "--ckpt-every", str(self.ckpt_every)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
     def keep_trainer_running(self) -> None:
         """Restart the trainer if it died (killed, or crashed on the full disk)."""
@@ -143,15 +157,7 @@ class Chaos:
             self.wait(2.0)
             stack.up(self.config, timeout_s=180)
         elif fault == "disk_full":
-            filler = self.tmpfs / "filler"
-            with open(filler, "wb", buffering=0) as fh:
-                try:
-                    while True:
-                        fh.write(b"\0" * 65536)
-                except OSError:
-                    pass
-            self.wait(3.0)
-            filler.unlink()
+            fill_disk(self.tmpfs, 3.0, self.wait)
 
 
 def count(config, run_dir: Path, final_step: int, ckpt_every: int = CKPT_EVERY) -> dict:
