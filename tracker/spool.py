@@ -221,10 +221,9 @@ class MetricSpool:
             size = os.fstat(self._fd).st_size
             if self._closed or size <= COMPACT_BYTES or self._unwritten or self._written_seq > self.acked:
                 return
-        with self._path.open("rb") as fh:
-            lines = fh.read(size).decode().splitlines()
-        last_step = max([_read_int(self.state_dir / LAST_STEP_FILE, -1), self.previous_last_step,
-                         *(row[2] for line in lines if (row := _parse_line(line)) is not None)])
+        # LAST_STEP_FILE already holds the earlier sessions' last step; a line appended
+        # meanwhile only raises the step, and the size check below then keeps the file
+        last_step = max([_read_int(self.state_dir / LAST_STEP_FILE, -1), *(step for _, _, step in self._read())])
         write_atomically(self.state_dir / LAST_STEP_FILE, str(last_step))
         with self._lock:  # only if nothing was appended meanwhile; else the next acknowledgement tries again
             if not self._closed and os.fstat(self._fd).st_size == size and not self._unwritten:
