@@ -106,3 +106,10 @@ def test_two_overlapping_answers_of_one_user_may_straddle_a_move():
     events = clean() + [answer(40.0, "e", 1), answer(41.0, "e", 2, took=3.0), answer(41.1, "e", 1),
                         {"t": 43.0, "kind": "intent", "allowed": [2], "generation": 4}]
     assert check(events, STALENESS_S)[0] == []
+
+
+def test_an_unknown_fault_kind_is_refused_by_name_before_anything_starts():
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "soak.py"), "--kinds", "mlflow_kill,disk_ful"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "unknown fault kinds ['disk_ful']; known: mlflow_kill" in done.stderr
