@@ -64,11 +64,11 @@ from tracker_chaos import Chaos, fill_disk, mount_tmpfs  # noqa: E402
 from tracker_chaos import count as count_points  # noqa: E402
 from vllm_lora import MODEL, write_adapters  # noqa: E402
 
+from registry_hooks import storage  # noqa: E402
 from rlops import processes, stack  # noqa: E402
 from rlops.config import Config, load_config, ray_client_env  # noqa: E402
-from rlops.layout import ADAPTER_CONFIG, RoutesManifest, parse_s3_uri, routes_key  # noqa: E402
+from rlops.layout import ADAPTER_CONFIG, RoutesManifest, parse_s3_uri  # noqa: E402
 
-APP = "soak"
 USERS = [f"soak-user-{i:02d}" for i in range(40)]
 # A raylet's restart imports Ray's agents, a replacement replica vLLM's modules: minutes on 2 loaded cores.
 CONVERGE_BOUND_S = {"node_kill": 240.0, "replica_kill": 120.0}
@@ -356,11 +356,9 @@ class Soak:
         """Record every change of production's allowed versions, and check each folder the manifest references."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        key = routes_key(self.location, MODEL)
         while not self.stop.is_set():
             try:
-                body = self.s3.get_object(Bucket=self.location.bucket, Key=key)["Body"].read()
-                manifest = RoutesManifest.model_validate_json(body)
+                manifest = self.read_manifest()
                 allowed = {manifest.aliases["production"].version} if "production" in manifest.aliases else set()
                 if "production" in manifest.canaries:
                     allowed.add(manifest.canaries["production"].version)
@@ -376,8 +374,7 @@ class Soak:
             time.sleep(WATCH_S)
 
     def read_manifest(self) -> RoutesManifest:
-        key = routes_key(self.location, MODEL)
-        return RoutesManifest.model_validate_json(self.s3.get_object(Bucket=self.location.bucket, Key=key)["Body"].read())
+        return storage.read_manifest(self.s3, self.location, MODEL)[0]
 
     @staticmethod
     def folders(manifest: RoutesManifest) -> set[str]:
@@ -385,15 +382,8 @@ class Soak:
         return {r.folder for r in routes}
 
     def exists(self, folder: str) -> bool:
-        from botocore.exceptions import ClientError
-
-        try:
-            self.s3.head_object(Bucket=self.location.bucket, Key=self.location.key(folder, ADAPTER_CONFIG))
-            return True
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return False
-            raise
+        """Complete, as `Promoter.folder_complete` tells it: adapter_config.json is copied last."""
+        return ADAPTER_CONFIG in storage.list_folder(self.s3, self.location.bucket, self.location.key(folder))
 
     def client(self, index: int) -> None:
         rng = random.Random(self.args.seed * 1000 + index)
