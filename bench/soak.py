@@ -11,9 +11,10 @@ once for `--minutes`:
 - a promotion programme every 2-5 s: register a version (a real peft adapter of the tiny VLM), promote it,
   move staging with a plain MLflow client (the webhook path), start / promote / abort a canary, roll back, gc.
 Faults, each `--fault-every` s (on average) after the one before has converged, kinds in a seeded order (every
-kind once per shuffled round): SIGKILL and SIGSTOP of the MLflow server, the S3 server, the hooks service and one
-Serve replica; SIGKILL of the Ray worker node (raylet and its workers); a stall of either proxy; SIGKILL of the
-trainer; the tracker's disk full (a 16 MiB tmpfs, root only). A SIGSTOP, a stall or a full disk lasts `--hold` s.
+kind once per shuffled round, a node kill only every `--node-kill-rounds` rounds): SIGKILL and SIGSTOP of the
+MLflow server, the S3 server, the hooks service and one Serve replica; SIGKILL of the Ray worker node (raylet and
+its workers); a stall of either proxy; SIGKILL of the trainer; the tracker's disk full (a 16 MiB tmpfs, root
+only). A SIGSTOP, a stall or a full disk lasts `--hold` s.
 A killed part is started again the way an operator would (`rlops up` for the stack and the node, the same
 command for the hooks service and the trainer; Serve replaces its own replicas). `--nodes 1` (one raylet with
 4 CPUs, no node kill) is the suite's short variant (tests/test_soak.py).
@@ -31,7 +32,7 @@ Figures (bench/results.json): violations (goal 0) against the faults injected; c
 bound; availability during serving faults against availability outside faults.
 
 Usage: python bench/soak.py [--minutes 20] [--faults N] [--seed 1] [--fault-every 10] [--hold 3] [--nodes 2]
-       [--clients 4] [--kinds a,b,...] [--history PATH] [--no-record]
+       [--clients 4] [--node-kill-rounds 1] [--kinds a,b,...] [--history PATH] [--no-record]
 """
 from __future__ import annotations
 
@@ -639,13 +640,14 @@ def run(args) -> tuple[list[str], dict, History]:
         kinds = [k for k in args.kinds if (k != "disk_full" or soak.tmpfs) and (k != "node_kill" or args.nodes > 1)]
         order: list[str] = []
         deadline = args.minutes * 60
-        fault_id = 0
+        fault_id = rounds = 0
         while history.now() < deadline and fault_id < (args.faults or float("inf")):
             time.sleep(rng.uniform(0.5, 1.5) * args.fault_every)
             if history.now() >= deadline:
                 break
-            if not order:
-                order = rng.sample(kinds, len(kinds))
+            if not order:  # a node kill only every --node-kill-rounds rounds: it converges in minutes, not seconds
+                now = [k for k in kinds if k != "node_kill" or rounds % args.node_kill_rounds == 0]
+                order, rounds = rng.sample(now, len(now)), rounds + 1
             fault_id += 1
             fault = order.pop()
             print(f"[{history.now():7.1f} s] fault {fault_id}: {fault}", flush=True)
@@ -688,11 +690,15 @@ def main() -> None:
     parser.add_argument("--fault-every", type=float, default=10.0, help="mean seconds between faults")
     parser.add_argument("--hold", type=float, default=3.0, help="seconds a SIGSTOP, a stall or a full disk lasts")
     parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--node-kill-rounds", type=int, default=1,
+                        help="a node kill in every Nth round of kinds only (it takes 1-3 min to converge on 2 cores)")
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds")
     parser.add_argument("--history", help="write the history here (JSON lines)")
     parser.add_argument("--no-record", action="store_true", help="print, do not write bench/results.json")
     args = parser.parse_args()
     args.kinds = [k for k in args.kinds.split(",") if k]
+    if args.node_kill_rounds < 1:
+        parser.error(f"--node-kill-rounds must be at least 1, got {args.node_kill_rounds}")
     unknown = set(args.kinds) - set(KINDS)
     if unknown:
         parser.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
