@@ -61,6 +61,10 @@ if [ "$EXTRAS" = dev ] || [ "$EXTRAS" = serve ]; then
     cp scripts/skyrl_py311.py "$SITE/_rlops_skyrl_py311.py"
     echo "import _rlops_skyrl_py311" >"$SITE/_rlops_skyrl_py311.pth"
 fi
+# Bytecode for every installed module, once, on all cores: where PYTHONDONTWRITEBYTECODE is set (CI, many
+# containers) no process ever caches it, so each one compiled vLLM, Ray and MLflow again (the demo's endpoint
+# started in 97 s instead of 41 s). A few vendored Python 2 files do not compile; they are never imported.
+phase bytecode "$VENV/bin/python" -c 'import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=0)'
 phase guard "$VENV/bin/python" - "$EXTRAS" <<'PY'
 import importlib.util, sys
 import torch
