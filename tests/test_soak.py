@@ -87,7 +87,7 @@ def test_short_soak_ten_faults_no_violation(tmp_path):
     of every other kind; the checker finds nothing and the training run lost no point."""
     history = tmp_path / "history.jsonl"
     done = subprocess.run([sys.executable, str(REPO / "bench" / "soak.py"), "--nodes", "1", "--faults", "10",
-                           "--fault-every", "1.5", "--hold", "1.5", "--seed", "3", "--no-record", "--history", str(history)],
+                           "--fault-every", "1.0", "--hold", "1.5", "--seed", "3", "--no-record", "--history", str(history)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     events = [json.loads(line) for line in history.read_text().splitlines()]
