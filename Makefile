@@ -11,8 +11,9 @@ $(STAMP): pyproject.toml constraints/cpu.txt scripts/install.sh
 
 install: $(STAMP)
 
+DEMO_ARGS ?=
 demo: $(STAMP)
-	$(VENV)/bin/rlops demo
+	$(VENV)/bin/rlops demo $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache

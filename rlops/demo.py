@@ -48,6 +48,7 @@ class DemoSummary:
     served_version: str | None = None
     parity: dict | None = None  # promote verify's report on the production version
     registration_refused: str | None = None  # why the run registered nothing (it did not beat its base)
+    registration_evidence: str | None = None  # how the registered checkpoint beat its base (the paired test)
     lift: dict | None = None  # base and production solve counts on the same eval items (lift_line)
     picture: str | None = None  # the lift picture (rlops.figures), also logged to the run
     answer: str = ""
@@ -206,7 +207,8 @@ def run_demo(config: Config, *, fast: bool, terminal: Terminal, config_path: str
                                      log=stage.detail, report=lambda p: stage.live(p.line()))
         summary.run_id, summary.version = result.run_id, result.registered_version
         summary.pass_rate_before, summary.pass_rate_after = result.before, result.after
-        summary.registration_refused = result.registration_refused
+        summary.registration_refused, summary.registration_evidence = (result.registration_refused,
+                                                                       result.registration_evidence)
         outcome = (f"{result.registration_refused}; production keeps its current version"
                    if result.registration_refused else f"registered {model} v{result.registered_version}"
                    + (f": it beat the base, {result.registration_evidence}" if result.registration_evidence else ""))
