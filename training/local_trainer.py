@@ -82,9 +82,6 @@ class TrainResult:
         return data | {k: getattr(self, k) for k in ("before", "after", "best", "sampled_before", "sampled_after")}
 
 
-GRPO_PROMPTS = 2048
-
-
 def item_row(item: TaskItem) -> dict:
     """A GRPO dataset row: what TRL passes to the reward functions, the item rebuilt from id and target."""
     return {"prompt": [{"role": "user", "content": item.text}], "image": pil_image(item), "item_id": item.id,
