@@ -646,8 +646,8 @@ def run(args) -> tuple[list[str], dict, History]:
             if history.now() >= deadline:
                 break
             if not order:  # a node kill only every --node-kill-rounds rounds: it converges in minutes, not seconds
-                now = [k for k in kinds if k != "node_kill" or rounds % args.node_kill_rounds == 0]
-                order, rounds = rng.sample(now, len(now)), rounds + 1
+                this_round = [k for k in kinds if k != "node_kill" or rounds % args.node_kill_rounds == 0]
+                order, rounds = rng.sample(this_round, len(this_round)), rounds + 1
             fault_id += 1
             fault = order.pop()
             print(f"[{history.now():7.1f} s] fault {fault_id}: {fault}", flush=True)

@@ -113,3 +113,10 @@ def test_an_unknown_fault_kind_is_refused_by_name_before_anything_starts():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "unknown fault kinds ['disk_ful']; known: mlflow_kill" in done.stderr
+
+
+def test_a_node_kill_round_below_one_is_refused_by_name():
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "soak.py"), "--node-kill-rounds", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--node-kill-rounds must be at least 1, got 0" in done.stderr
