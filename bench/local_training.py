@@ -7,7 +7,12 @@ set (the held-out mazes play no part in that choice, so their score is not a sel
 of the budget is scored beside it. Each model is scored twice: greedy (the goal's metric,
 Wilson intervals) and pass@1 of `training.local.eval_samples` answers per maze sampled at the training
 temperature, which is what GRPO optimises (intervals over per-maze rates). Also prints seconds per GRPO step
-and writes both fixed-eval curves to bench/local_training.png. Runs its own stack (MLflow + S3) in the data dir; the SFT
+and writes both fixed-eval curves to bench/local_training.png.
+
+Speed (issue 35): before the budgeted run, GRPO steps per second with the shipped `lean_rollouts` against
+TRL's stock generate path (`lean_rollouts: false`, today's trainer before it), same base, settings and seed,
+`--speed-steps` steps each, alternated `--speed-rounds` times, no tracker on either side; the figure is the
+median over rounds of stock s/step / lean s/step (each run's median step after the first five). Runs its own stack (MLflow + S3) in the data dir; the SFT
 base is cached there, so a second run skips SFT.
 
     .venv/bin/python bench/local_training.py [--budget 300] [--data-dir .rlops/bench]
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -47,6 +53,33 @@ def evaluate_model(model_dir: Path, adapter_dir: Path | None, task, sources: lis
     return {source: evaluate(model, processor, task, source, local.eval_samples, local.temperature) for source in sources}
 
 
+def step_seconds(config: Config, task, base: Path, lean: bool, steps: int) -> float:
+    """Median seconds of GRPO steps 6.. of a plain run (no tracker) on `base`, lean rollouts or TRL's stock path."""
+    import tempfile
+
+    from transformers import AutoProcessor, TrainerCallback
+
+    from training.local_trainer import GRPO_PROMPTS, grpo_trainer
+
+    local = config.training.local.model_copy(update={"lean_rollouts": lean})
+    config = config.model_copy(update={"training": config.training.model_copy(update={"local": local})})
+    times: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter() - self.started)
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = grpo_trainer(config, task, base, Path(run_dir), steps, [StepTimer()],
+                               AutoProcessor.from_pretrained(str(base)), task.train_items(GRPO_PROMPTS))
+        trainer.args.save_strategy = "no"
+        trainer.train()
+    return statistics.median(times[5:])
+
+
 def plot(result, before: dict, after: dict, heldout_source: str, path: Path) -> None:
     import matplotlib
 
@@ -74,7 +107,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget", type=float, default=None, help="GRPO seconds (default: training.local.budget_s)")
     parser.add_argument("--data-dir", default=".rlops/bench", help="stack data + cached SFT base")
+    parser.add_argument("--speed-steps", type=int, default=60, help="GRPO steps per speed run (0: skip the speed phase)")
+    parser.add_argument("--speed-rounds", type=int, default=3, help="stock/lean speed runs alternated this many times")
     args = parser.parse_args()
+    if args.speed_steps and args.speed_steps < 10 or args.speed_rounds < 1:
+        parser.error("--speed-steps must be 0 or at least 10 (the first five steps are not timed); --speed-rounds >= 1")
 
     from training.base import ensure_base
     from training.local_trainer import train
@@ -92,6 +129,12 @@ def main() -> None:
         task = config.load_task()
         base = ensure_base(config, task)
         print(f"SFT base: {base} ({time.monotonic() - started:.0f} s, cached after the first run)")
+        speed = []  # (stock s/step, lean s/step) per round
+        for round_ in range(args.speed_rounds if args.speed_steps else 0):
+            speed.append((step_seconds(config, task, base, False, args.speed_steps),
+                          step_seconds(config, task, base, True, args.speed_steps)))
+            print(f"speed round {round_ + 1}: stock {speed[-1][0]:.4f} s/step, lean {speed[-1][1]:.4f} s/step, "
+                  f"{speed[-1][0] / speed[-1][1]:.2f}x (load average {os.getloadavg()[0]:.1f})")
         sets = task.eval_sets()[:2]  # the fixed set and its held-out set
         before = evaluate_model(base, None, task, sets, local)
         run_dir = config.data_path / "runs" / time.strftime("%Y%m%d-%H%M%S")
@@ -135,6 +178,14 @@ def main() -> None:
         record("local_training.py:sampled", sa, f"held-out pass@1 (256 mazes x {local.eval_samples} samples at "
                f"temperature {local.temperature}) after the GRPO budget", sb, sa / sb if sb else None,
                "report only: GRPO's own objective, beside the greedy goal")
+    if speed:
+        stock, lean = statistics.median(r[0] for r in speed), statistics.median(r[1] for r in speed)
+        ratio = statistics.median(r[0] / r[1] for r in speed)
+        print(f"GRPO speed: lean {lean:.4f} s/step vs TRL's stock path {stock:.4f} s/step: {ratio:.2f}x steps/s "
+              f"(median of {len(speed)} alternated rounds, {args.speed_steps} steps each)")
+        record("local_training.py:speedup", ratio, f"x GRPO steps/s, lean rollouts vs TRL's stock generate path "
+               f"(median of {len(speed)} alternated rounds of {args.speed_steps} steps; lean {lean:.4f} s/step)",
+               stock, ratio, ">= 2x steps/s with the held-out lift still >= +10 points, p < 0.01")
     record("local_training.py:s_per_step", result.seconds_per_step, "s per GRPO step (32 completions, 2 cores)",
            None, None, "report only")
 

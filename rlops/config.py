@@ -317,6 +317,8 @@ class LocalTrainingConfig(_Section):
     sft_steps: int = Field(1200, ge=0)
     sft_learning_rate: float = Field(7e-4, gt=0)
     seed: int = 0
+    lean_rollouts: bool = Field(True, description="decode rollouts and evals outside HF's generate loop (the same "
+                                "tokens) and preprocess each distinct image once; false: TRL's stock path")
 
     @model_validator(mode="before")
     @classmethod

@@ -26,7 +26,8 @@ from rlops.task import TAG_TASK, TASK_PARAM_PREFIX, Task, TaskItem
 from training.base import TrainingError, ensure_base, ensure_tiny_init
 from training.prompt_sets import PromptSet, mixed_items
 from training.evaluation import SAMPLED_METRIC, EvalResult, completion_text, evaluate, pil_image, sample_row
-from training.vision_cache import VisionCache
+from training.lean_decode import LeanDecoder
+from training.vision_cache import PixelCache, VisionCache
 
 # LoRA on the language model only: the vision tower stays as the base trained it.
 # An explicit list, not a regex: promotion checks the adapter's target modules against the served base.
@@ -276,6 +277,9 @@ def grpo_trainer(config: Config, task: Task, base: Path, run_dir: Path, steps: i
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     model = AutoModelForImageTextToText.from_pretrained(str(base), dtype=torch.float32)
     VisionCache.install(model)  # LoRA leaves the tower frozen: each image is encoded once
+    if local.lean_rollouts:  # bench/README.md: where a GRPO step's time went
+        LeanDecoder.install(model)
+        callbacks = [*callbacks, PixelCache(processor.image_processor)]
     args = GRPOConfig(
         output_dir=str(run_dir), max_steps=steps, learning_rate=local.learning_rate, lr_scheduler_type=local.lr_schedule,
         per_device_train_batch_size=local.num_generations * local.prompts_per_step,
