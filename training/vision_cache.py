@@ -11,6 +11,8 @@ import torch
 from transformers import BatchFeature, TrainerCallback
 
 MAX_IMAGES = 4096  # ~14 KB each for the tiny base's 96 px mazes
+# ~221 KB each (float patches); the repeats that matter are within a step: its prompts x num_generations, twice
+MAX_PREPROCESSED = 256
 
 
 class VisionCache:
@@ -82,7 +84,7 @@ class PixelCache(TrainerCallback):
     callback it wraps the processor only inside training steps: a checkpoint saves the stock processor (its
     config is the processor's attributes, which a wrapper would join)."""
 
-    def __init__(self, image_processor, max_images: int = MAX_IMAGES):
+    def __init__(self, image_processor, max_images: int = MAX_PREPROCESSED):
         self.image_processor, self.preprocess, self.max_images = image_processor, image_processor.preprocess, max_images
         self.entries: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.hits = self.misses = 0
