@@ -8,6 +8,7 @@ import hashlib
 from collections import OrderedDict
 
 import torch
+from PIL import Image
 from transformers import BatchFeature, TrainerCallback
 
 MAX_IMAGES = 4096  # ~14 KB each for the tiny base's 96 px mazes
@@ -102,8 +103,6 @@ class PixelCache(TrainerCallback):
         self.detach()
 
     def __call__(self, images, *args, **kwargs):
-        from PIL import Image
-
         flat = _flatten(images)
         if args or kwargs.get("return_tensors") not in (None, "pt") or not flat or not all(isinstance(i, Image.Image) for i in flat):
             return self.preprocess(images, *args, **kwargs)
