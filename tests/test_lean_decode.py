@@ -84,3 +84,15 @@ def test_pixel_cache_gives_the_processors_own_pixels(setup):
     for again in cached:
         assert set(again) == set(plain) and all(torch.equal(again[k], plain[k]) for k in plain)
     assert processor.to_json_string() == config, "detached, the processor saves as it was"
+
+
+def test_text_layers_it_does_not_write_out_go_to_hf(setup):
+    model, peft, processor, batch, _ = setup
+    text = model.config.get_text_config()
+    text.attention_bias = True  # a projection bias the lean step has no term for
+    try:
+        (hf, lean), decoder = _both(model, peft, batch, do_sample=False, pad_token_id=processor.tokenizer.pad_token_id)
+    finally:
+        text.attention_bias = False
+    assert (decoder.calls, decoder.fallbacks) == (0, 1)
+    assert torch.equal(hf, lean)

@@ -41,6 +41,15 @@ class LeanDecoder:
                 and not config.forced_eos_token_id and not config.begin_suppress_tokens
                 and config.max_new_tokens is not None and config.stop_strings is None)
 
+    @staticmethod
+    def implements(model: torch.nn.Module) -> bool:
+        """A Qwen3-VL on CPU whose text layers are the ones `_step` writes out: no biases, SiLU, plain RoPE."""
+        if model.config.model_type != "qwen3_vl" or model.device.type != "cpu":
+            return False
+        text = model.config.get_text_config()
+        return (not getattr(text, "attention_bias", False) and text.hidden_act == "silu"
+                and (text.rope_parameters or {}).get("rope_type", "default") == "default")
+
     def generate(self, generation_config=None, **kwargs):
         config = self.model.generation_config if generation_config is None else generation_config
         tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
@@ -48,8 +57,7 @@ class LeanDecoder:
         if settings:
             config = copy.deepcopy(config)
             settings = config.update(**settings)  # what is not a generation setting stays: the fallback takes it
-        if (settings or not self.supported(config, tensors) or self.model.device.type != "cpu"
-                or self.model.config.model_type != "qwen3_vl"):  # the text layers this module implements
+        if settings or not self.supported(config, tensors) or not self.implements(self.model):
             self.fallbacks += 1
             return self.fallback(generation_config=generation_config, **kwargs)
         self.calls += 1
