@@ -67,12 +67,7 @@ class VisionCache:
                         zip(*(torch.split(f, merged) for f in out.deepstack_features)))
             for i, (last, pooled, deep) in zip(missing, split):
                 self.entries[keys[i]] = (last, pooled, deep)
-        found = []
-        for key in keys:
-            self.entries.move_to_end(key)
-            found.append(self.entries[key])
-        while len(self.entries) > self.max_images:
-            self.entries.popitem(last=False)
+        found = _take(self.entries, keys, self.max_images)
         return self.output_type(
             last_hidden_state=torch.cat([f[0] for f in found]), pooler_output=torch.cat([f[1] for f in found]),
             deepstack_features=[torch.cat([f[2][d] for f in found]) for d in range(len(found[0][2]))])
@@ -118,15 +113,22 @@ class PixelCache(TrainerCallback):
             sizes = out["image_grid_thw"].prod(-1).tolist()
             for key, pixels, grid in zip(missing, torch.split(out["pixel_values"], sizes), out["image_grid_thw"]):
                 self.entries[key] = (pixels, grid)
-        found = []
-        for key in keys:
-            self.entries.move_to_end(key)
-            found.append(self.entries[key])
-        while len(self.entries) > self.max_images:
-            self.entries.popitem(last=False)
+        found = _take(self.entries, keys, self.max_images)
         return BatchFeature({"pixel_values": torch.cat([f[0] for f in found]),
                              "image_grid_thw": torch.stack([f[1] for f in found])},
                             tensor_type=kwargs.get("return_tensors"))
+
+
+def _take(entries: OrderedDict, keys: list, max_entries: int) -> list:
+    """The entries of `keys` (all present), marked as just used; then the least recently used beyond
+    `max_entries` are dropped."""
+    found = []
+    for key in keys:
+        entries.move_to_end(key)
+        found.append(entries[key])
+    while len(entries) > max_entries:
+        entries.popitem(last=False)
+    return found
 
 
 def _flatten(images) -> list:
