@@ -57,6 +57,10 @@ def test_wrong_type_names_key_and_value(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(path, environ={})
     assert "server.port" in str(err.value) and "'eighty'" in str(err.value)
+    path = write_config(tmp_path / "mlflow.yaml", {"training": {"local": {"lean_rollouts": "sometimes"}}})
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    assert "training.local.lean_rollouts" in str(err.value) and "'sometimes'" in str(err.value)
 
 
 def test_unreadable_and_invalid_files(tmp_path):

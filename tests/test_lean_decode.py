@@ -3,6 +3,10 @@ with LoRA adapters on or off, left-padded rows and GRPO's repeated prompts; a se
 goes to HF's `generate`. The preprocessing cache gives the processor's own pixels."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -96,3 +100,10 @@ def test_text_layers_it_does_not_write_out_go_to_hf(setup):
         text.attention_bias = False
     assert (decoder.calls, decoder.fallbacks) == (0, 1)
     assert torch.equal(hf, lean)
+
+
+@pytest.mark.parametrize("args", [["--speed-steps", "5"], ["--speed-rounds", "0"]])
+def test_local_training_bench_refuses_a_speed_phase_it_cannot_time(args):
+    bench = Path(__file__).resolve().parents[1] / "bench" / "local_training.py"
+    proc = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--speed-steps must be 0 or at least 10" in proc.stderr and "Traceback" not in proc.stderr
