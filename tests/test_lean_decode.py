@@ -1,6 +1,6 @@
 """The local trainer's decode loop outside HF `generate` gives HF's own tokens: greedy and sampled (same RNG),
 with LoRA adapters on or off, left-padded rows and GRPO's repeated prompts; a setting it does not implement
-goes to HF's `generate`. The preprocessing cache gives the processor's own pixels."""
+goes to HF's `generate`. The preprocessing caches give the processor's own answer."""
 from __future__ import annotations
 
 import subprocess
@@ -17,7 +17,7 @@ from training.evaluation import pil_image, prompt_messages
 from training.lean_decode import LeanDecoder
 from training.local_trainer import LORA_TARGETS
 from training.tiny_vlm import build_tiny_vlm
-from training.vision_cache import PixelCache, VisionCache
+from training.vision_cache import DistinctRows, PixelCache, VisionCache
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,35 @@ def test_pixel_cache_gives_the_processors_own_pixels(setup):
     for again in cached:
         assert set(again) == set(plain) and all(torch.equal(again[k], plain[k]) for k in plain)
     assert processor.to_json_string() == config, "detached, the processor saves as it was"
+
+
+def test_distinct_rows_give_the_processors_own_batch(setup):
+    _, _, processor, _, (texts, items) = setup
+    images = [[pil_image(it)] for it in items] * 2
+    conversations = [[{"role": "user", "content": [{"type": "image", "image": image[0]}, {"type": "text", "text": it.text}]}]
+                     for image, it in zip(images, items * 2)]
+    calls = {  # TRL's two calls per step: tensors for the loss, the chat template's lists for generation
+        "tensors": lambda: processor(text=texts, images=images, padding=True, return_tensors="pt"),
+        "lists": lambda: processor.apply_chat_template(conversation=conversations, add_generation_prompt=True,
+                                                       tokenize=True, return_dict=True),
+        "all distinct": lambda: processor(text=texts[:6], images=images[:6], padding=True, return_tensors="pt"),
+        "text only": lambda: processor(text=[it.text for it in items] * 2, padding=True, return_tensors="pt"),
+    }
+    plain = {name: call() for name, call in calls.items()}
+    config = processor.to_json_string()
+    rows = DistinctRows(processor)
+    rows.attach()
+    try:
+        split = {name: call() for name, call in calls.items()}
+    finally:
+        rows.detach()
+    assert (rows.rows, rows.processed) == (24, 12), "the two calls with repeats each processed their 6 distinct rows"
+    for name in calls:
+        assert list(split[name]) == list(plain[name]), name
+        for key, value in plain[name].items():
+            same = torch.equal(split[name][key], value) if isinstance(value, torch.Tensor) else split[name][key] == value
+            assert same, (name, key)
+    assert type(processor) is rows.stock and processor.to_json_string() == config, "detached, the processor is stock"
 
 
 def test_text_layers_it_does_not_write_out_go_to_hf(setup):

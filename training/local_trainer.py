@@ -27,7 +27,7 @@ from training.base import TrainingError, ensure_base, ensure_tiny_init
 from training.prompt_sets import PromptSet, mixed_items
 from training.evaluation import SAMPLED_METRIC, EvalResult, completion_text, evaluate, pil_image, sample_row
 from training.lean_decode import LeanDecoder
-from training.vision_cache import PixelCache, VisionCache
+from training.vision_cache import DistinctRows, PixelCache, VisionCache
 
 # LoRA on the language model only: the vision tower stays as the base trained it.
 # An explicit list, not a regex: promotion checks the adapter's target modules against the served base.
@@ -279,7 +279,7 @@ def grpo_trainer(config: Config, task: Task, base: Path, run_dir: Path, steps: i
     VisionCache.install(model)  # LoRA leaves the tower frozen: each image is encoded once
     if local.lean_rollouts:  # bench/README.md: where a GRPO step's time went
         LeanDecoder.install(model)
-        callbacks = [*callbacks, PixelCache(processor.image_processor)]
+        callbacks = [*callbacks, DistinctRows(processor), PixelCache(processor.image_processor)]
     args = GRPOConfig(
         output_dir=str(run_dir), max_steps=steps, learning_rate=local.learning_rate, lr_scheduler_type=local.lr_schedule,
         per_device_train_batch_size=local.num_generations * local.prompts_per_step,

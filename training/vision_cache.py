@@ -1,7 +1,7 @@
-"""Each distinct image is preprocessed once and encoded by the frozen vision tower once. GRPO repeats every
-prompt `num_generations` times, preprocesses and scores the batch again for the loss, and draws the same
-mazes again in later steps; LoRA trains the language model only, so the tower's output for an image cannot
-change during a run."""
+"""Each distinct prompt row is processed once, each distinct image preprocessed once and encoded by the frozen
+vision tower once. GRPO repeats every prompt `num_generations` times, processes the batch again for the loss,
+and draws the same mazes again in later steps; LoRA trains the language model only, so the tower's output for
+an image cannot change during a run."""
 from __future__ import annotations
 
 import hashlib
@@ -117,6 +117,70 @@ class PixelCache(TrainerCallback):
         return BatchFeature({"pixel_values": torch.cat([f[0] for f in found]),
                              "image_grid_thw": torch.stack([f[1] for f in found])},
                             tensor_type=kwargs.get("return_tensors"))
+
+
+class DistinctRows(TrainerCallback):
+    """Processes each distinct (text, images) row of a processor call once and assembles the batch from them:
+    the tensors and lists the processor itself answers (padding depends only on the longest row, which is
+    among the distinct ones). Calls it cannot split that way (other inputs or outputs, no repeats) go through
+    as they are. As a trainer callback it swaps the processor's class only inside training steps, like
+    PixelCache: `processor(...)` looks `__call__` up on the class, and checkpoints save the stock one."""
+
+    ROW_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids"})
+    IMAGE_KEYS = frozenset({"pixel_values", "image_grid_thw"})
+
+    def __init__(self, processor):
+        self.processor, self.stock = processor, type(processor)
+        self.deduplicating = type(self.stock.__name__, (self.stock,), {
+            "__call__": lambda processor, *args, **kwargs: self._call(processor, *args, **kwargs)})
+        self.rows = self.processed = 0
+
+    def attach(self) -> None:
+        self.processor.__class__ = self.deduplicating
+
+    def detach(self) -> None:
+        self.processor.__class__ = self.stock
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.attach()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.detach()
+
+    def _call(self, processor, images=None, text=None, *args, **kwargs):
+        stock = self.stock.__call__
+        if (args or kwargs.get("videos") is not None or kwargs.get("audio") is not None
+                or not isinstance(text, list) or not isinstance(images, list) or len(images) != len(text)
+                or not all(isinstance(t, str) for t in text)
+                or not all(isinstance(row, list) and all(isinstance(i, Image.Image) for i in row) for row in images)):
+            return stock(processor, images=images, text=text, *args, **kwargs)
+        keys = [(t, tuple((_digest(i.tobytes()), i.mode, i.size) for i in row)) for t, row in zip(text, images)]
+        firsts: dict[tuple, int] = {}
+        for i, key in enumerate(keys):
+            firsts.setdefault(key, i)
+        if len(firsts) == len(keys):
+            return stock(processor, images=images, text=text, *args, **kwargs)
+        distinct = list(firsts.values())
+        out = stock(processor, images=[images[i] for i in distinct], text=[text[i] for i in distinct], **kwargs)
+        if not set(out) <= self.ROW_KEYS | self.IMAGE_KEYS or ("pixel_values" in out) != ("image_grid_thw" in out):
+            return stock(processor, images=images, text=text, **kwargs)
+        self.rows += len(keys)
+        self.processed += len(distinct)
+        slot = {key: j for j, key in enumerate(firsts)}
+        order = [slot[key] for key in keys]  # each row's distinct row
+        counts = [len(images[i]) for i in distinct]
+        starts = [sum(counts[:j]) for j in range(len(counts))]
+        picked = [starts[j] + k for j in order for k in range(counts[j])]  # image indices in batch order
+        data = {}
+        for name, value in out.items():
+            if name == "pixel_values":
+                pixels = torch.split(value, out["image_grid_thw"].prod(-1).tolist())
+                data[name] = torch.cat([pixels[i] for i in picked])
+            elif name == "image_grid_thw":
+                data[name] = value[torch.tensor(picked)]
+            else:
+                data[name] = value[torch.tensor(order)] if isinstance(value, torch.Tensor) else [value[j] for j in order]
+        return BatchFeature(data)
 
 
 def _take(entries: OrderedDict, keys: list, max_entries: int) -> list:
