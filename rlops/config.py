@@ -318,7 +318,7 @@ class LocalTrainingConfig(_Section):
     sft_learning_rate: float = Field(7e-4, gt=0)
     seed: int = 0
     lean_rollouts: bool = Field(True, description="decode rollouts and evals outside HF's generate loop (the same "
-                                "tokens) and preprocess each distinct image once; false: TRL's stock path")
+                                "tokens), process each distinct prompt and image once; false: TRL's stock path")
 
     @model_validator(mode="before")
     @classmethod

@@ -27,13 +27,14 @@ from training.base import TrainingError, ensure_base, ensure_tiny_init
 from training.prompt_sets import PromptSet, mixed_items
 from training.evaluation import SAMPLED_METRIC, EvalResult, completion_text, evaluate, pil_image, sample_row
 from training.lean_decode import LeanDecoder
-from training.vision_cache import DistinctRows, PixelCache, VisionCache
+from training.vision_cache import DistinctRows, PixelCache, SharedImage, VisionCache, shared
 
 # LoRA on the language model only: the vision tower stays as the base trained it.
 # An explicit list, not a regex: promotion checks the adapter's target modules against the served base.
 # In Qwen3-VL these names exist only in the language model (the vision tower uses qkv/proj/linear_fc*).
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GRPO_PROMPTS = 2048
+SHARED_IMAGES = 64  # rendered pictures kept: a step draws prompts_per_step of them
 
 
 # ---------------------------------------------------------------------------------------------- GRPO
@@ -85,8 +86,8 @@ class TrainResult:
 
 def item_row(item: TaskItem) -> dict:
     """A GRPO dataset row: what TRL passes to the reward functions, the item rebuilt from id and target."""
-    return {"prompt": [{"role": "user", "content": item.text}], "image": pil_image(item), "item_id": item.id,
-            "item_text": item.text, "target": json.dumps(item.target, sort_keys=True)}
+    return {"prompt": [{"role": "user", "content": item.text}], "item_id": item.id, "item_text": item.text,
+            "target": json.dumps(item.target, sort_keys=True)}
 
 
 def row_item(item_id: str, text: str, target: str) -> TaskItem:
@@ -94,10 +95,21 @@ def row_item(item_id: str, text: str, target: str) -> TaskItem:
     return TaskItem(item_id, text, image=lambda: None, target=json.loads(target))
 
 
-def _grpo_dataset(items: list[TaskItem]):
+def _grpo_dataset(items: list[TaskItem], shared_images: bool):
+    """The items as TRL's dataset. With `shared_images`, a row's picture is rendered when the row is drawn and
+    `shared` by its repeats in the step (one object: DistinctRows processes it once); else, as TRL takes it,
+    an image column, PNG-encoded up front and decoded anew for every repeat."""
     from datasets import Dataset
 
-    return Dataset.from_list([item_row(it) for it in items])
+    if not shared_images:
+        return Dataset.from_list([item_row(it) | {"image": pil_image(it)} for it in items])
+
+    @functools.lru_cache(maxsize=SHARED_IMAGES)
+    def image(index: int) -> SharedImage:
+        return shared(pil_image(items[index]))
+
+    rows = Dataset.from_list([item_row(it) | {"row": i} for i, it in enumerate(items)])
+    return rows.with_transform(lambda batch: batch | {"image": [image(i) for i in batch["row"]]})
 
 
 def run_datasets(config: Config, task: Task, train_items: list[TaskItem]) -> list:
@@ -296,7 +308,7 @@ def grpo_trainer(config: Config, task: Task, base: Path, run_dir: Path, steps: i
                              target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     trained, beside = training_rewards(task)
     trainer = GRPOTrainer(model=model, reward_funcs=[observe(trained), beside], args=args,
-                          train_dataset=_grpo_dataset(items), processing_class=processor,
+                          train_dataset=_grpo_dataset(items, local.lean_rollouts), processing_class=processor,
                           peft_config=peft_config, callbacks=callbacks)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(QuietProgressCallback)

@@ -119,11 +119,25 @@ class PixelCache(TrainerCallback):
                             tensor_type=kwargs.get("return_tensors"))
 
 
+class SharedImage(Image.Image):
+    """A picture that deep-copies as itself. TRL deep-copies each step's prompts, images included, before it
+    processes them; nothing writes to these, so a prompt's repeats keep one image object (`shared`)."""
+
+    def __deepcopy__(self, memo: dict) -> "SharedImage":
+        return self
+
+
+def shared(image: Image.Image) -> SharedImage:
+    image.__class__ = SharedImage
+    return image
+
+
 class DistinctRows(TrainerCallback):
-    """Processes each distinct (text, images) row of a processor call once and assembles the batch from them:
-    the tensors and lists the processor itself answers (padding depends only on the longest row, which is
-    among the distinct ones). Calls it cannot split that way (other inputs or outputs, no repeats) go through
-    as they are. As a trainer callback it swaps the processor's class only inside training steps, like
+    """Processes each distinct (text, image objects) row of a processor call once and assembles the batch from
+    them: the tensors and lists the processor itself answers (padding depends only on the longest row, which
+    is among the distinct ones). Images are told apart by identity, which is safe within one call (all are
+    alive) and what GRPO's repeats of a `shared` image have. Calls it cannot split that way (other inputs or
+    outputs, no repeats) go through as they are. As a trainer callback it swaps the processor's class only inside training steps, like
     PixelCache: `processor(...)` looks `__call__` up on the class, and checkpoints save the stock one."""
 
     ROW_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids"})
@@ -154,7 +168,7 @@ class DistinctRows(TrainerCallback):
                 or not all(isinstance(t, str) for t in text)
                 or not all(isinstance(row, list) and all(isinstance(i, Image.Image) for i in row) for row in images)):
             return stock(processor, images=images, text=text, *args, **kwargs)
-        keys = [(t, tuple((_digest(i.tobytes()), i.mode, i.size) for i in row)) for t, row in zip(text, images)]
+        keys = [(t, tuple(map(id, row))) for t, row in zip(text, images)]
         firsts: dict[tuple, int] = {}
         for i, key in enumerate(keys):
             firsts.setdefault(key, i)
