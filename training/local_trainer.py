@@ -27,6 +27,7 @@ from training.base import TrainingError, ensure_base, ensure_tiny_init
 from training.prompt_sets import PromptSet, mixed_items
 from training.evaluation import SAMPLED_METRIC, EvalResult, completion_text, evaluate, pil_image, sample_row
 from training.lean_decode import LeanDecoder
+from training.rope_index import RopeIndex
 from training.vision_cache import DistinctRows, PixelCache, SharedImage, VisionCache, shared
 
 # LoRA on the language model only: the vision tower stays as the base trained it.
@@ -291,6 +292,7 @@ def grpo_trainer(config: Config, task: Task, base: Path, run_dir: Path, steps: i
     VisionCache.install(model)  # LoRA leaves the tower frozen: each image is encoded once
     if local.lean_rollouts:  # bench/README.md: where a GRPO step's time went
         LeanDecoder.install(model)
+        RopeIndex.install(model)
         callbacks = [*callbacks, DistinctRows(processor), PixelCache(processor.image_processor)]
     args = GRPOConfig(
         output_dir=str(run_dir), max_steps=steps, learning_rate=local.learning_rate, lr_scheduler_type=local.lr_schedule,
