@@ -108,7 +108,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=None, help="GRPO seconds (default: training.local.budget_s)")
     parser.add_argument("--data-dir", default=".rlops/bench", help="stack data + cached SFT base")
     parser.add_argument("--speed-steps", type=int, default=60, help="GRPO steps per speed run (0: skip the speed phase)")
-    parser.add_argument("--speed-rounds", type=int, default=3, help="stock/lean speed runs alternated this many times")
+    parser.add_argument("--speed-rounds", type=int, default=5, help="stock/lean speed runs alternated this many times "
+                        "(this machine has slow phases of minutes: the median of 5 outlasts one)")
     args = parser.parse_args()
     if args.speed_steps and args.speed_steps < 10 or args.speed_rounds < 1:
         parser.error("--speed-steps must be 0 or at least 10 (the first five steps are not timed); --speed-rounds >= 1")
