@@ -3,6 +3,7 @@ the fixed eval sets' layouts, and the `visgym` SkyRL-gym env."""
 from __future__ import annotations
 
 import ast
+import hashlib
 import random
 import string
 from collections import deque
@@ -21,6 +22,10 @@ EVAL_LAYOUT_SHA256 = {
     "maze_2d/easy": "025a29020dbea3dc4f90c71754d9f35d255e58217488a5df0ced7738308c415b",
     "maze_2d/local7": "cbf623d61b43d0d83b378da53195127c750d43e01d1836240e6c848efebd34c6",
 }
+# Pinned as well: the pictures every trained model and cached SFT base has seen (maze 0 of size 7, the agent at
+# its start and at its goal).
+RENDER_SHA256 = ("87fcdb0720c6dfb564d51023ae0a732b8ba68b169acb078d260d4f6e7b1cde35",
+                 "341f77f519da97419ef0c1f18c9cd113c9f7b7780df5e4cfd5cd89f51fed8356")
 
 
 @pytest.mark.parametrize("size", [5, 7, 9, 11])
@@ -56,6 +61,12 @@ def test_rendering_size_and_colors(size):
     moved = render(maze, agent=maze.goal)
     assert tuple(moved[maze.start[0] * CELL_PX + CELL_PX // 2, maze.start[1] * CELL_PX + CELL_PX // 2]) == (255, 255, 255)
     assert "A" in maze.ansi() and "T" in maze.ansi()
+
+
+def test_rendering_is_pixel_for_pixel_what_models_were_trained_on():
+    maze = generate_maze(0, 7)
+    drawn = (render(maze), render(maze, agent=maze.goal))
+    assert tuple(hashlib.sha256(image.tobytes()).hexdigest() for image in drawn) == RENDER_SHA256
 
 
 def test_parse_action_accepts_visgym_tuples_and_skyrl_words():

@@ -26,6 +26,9 @@ PATH_RGB = (255, 255, 255)
 AGENT_RGB = (0, 0, 255)
 TARGET_RGB = (255, 0, 0)
 WALK_RGB = (120, 170, 255)
+_CELL_COLOURS = np.array([PATH_RGB, WALL_RGB], np.uint8)  # indexed by "is a wall"
+_AGENT_DISC = np.add.outer((np.arange(CELL_PX) - (CELL_PX - 1) / 2) ** 2,
+                           (np.arange(CELL_PX) - (CELL_PX - 1) / 2) ** 2) <= (CELL_PX * 0.38) ** 2
 
 DIRECTION_DELTAS = {0: (0, 1), 1: (-1, 0), 2: (0, -1), 3: (1, 0)}
 DIRECTION_WORDS = ("right", "up", "left", "down")
@@ -115,19 +118,14 @@ def generate_maze(seed: int, size: int) -> Maze:
 def render(maze: Maze, agent: Position | None = None) -> np.ndarray:
     """RGB uint8 image, CELL_PX per cell: gray walls, white paths, red target square, blue agent circle."""
     agent = maze.start if agent is None else agent
-    side = maze.size * CELL_PX
-    walls = np.array([[ch == "#" for ch in row] for row in maze.rows])
-    image = np.where(np.kron(walls, np.ones((CELL_PX, CELL_PX), dtype=bool))[..., None],
-                     np.array(WALL_RGB, np.uint8), np.array(PATH_RGB, np.uint8)).astype(np.uint8)
-    assert image.shape == (side, side, 3)
+    walls = np.frombuffer("".join(maze.rows).encode(), np.uint8).reshape(maze.size, maze.size) == ord("#")
+    # colour the cells, then scale them up: the trainers draw a maze per prompt and per SFT example
+    image = _CELL_COLOURS[walls.view(np.uint8)].repeat(CELL_PX, 0).repeat(CELL_PX, 1)
     inset = CELL_PX // 5
     gr, gc = maze.goal
     image[gr * CELL_PX + inset:(gr + 1) * CELL_PX - inset, gc * CELL_PX + inset:(gc + 1) * CELL_PX - inset] = TARGET_RGB
-    ys, xs = np.mgrid[0:CELL_PX, 0:CELL_PX]
-    centre = (CELL_PX - 1) / 2
-    disc = (ys - centre) ** 2 + (xs - centre) ** 2 <= (CELL_PX * 0.38) ** 2
     ar, ac = agent
-    image[ar * CELL_PX:(ar + 1) * CELL_PX, ac * CELL_PX:(ac + 1) * CELL_PX][disc] = AGENT_RGB
+    image[ar * CELL_PX:(ar + 1) * CELL_PX, ac * CELL_PX:(ac + 1) * CELL_PX][_AGENT_DISC] = AGENT_RGB
     return image
 
 
