@@ -75,7 +75,7 @@ class LeanDecoder:
         firsts: list[int] = []
         rows = []
         for r in range(len(input_ids)):
-            same = next((i for i, f in enumerate(firsts) if torch.equal(input_ids[r], input_ids[f])
+            same = next((i for i, f in reversed(list(enumerate(firsts))) if torch.equal(input_ids[r], input_ids[f])
                          and torch.equal(attention_mask[r], attention_mask[f]) and len(images[r]) == len(images[f])
                          and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(images[r], images[f]))),
                         None)

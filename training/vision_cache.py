@@ -43,8 +43,9 @@ class VisionCache:
         keys: list[tuple] = []
         firsts: list[int] = []  # the first of each distinct image in this call
         for i, (image, row) in enumerate(zip(images, grids)):
-            # a repeat of an image earlier in this call (GRPO's repeated prompts) is compared, not hashed
-            earlier = next((j for j in firsts if grids[j] == row and torch.equal(images[j], image)), None)
+            # a repeat of an image earlier in this call (GRPO's repeated prompts) is compared, not hashed; the
+            # latest first: repeats are adjacent
+            earlier = next((j for j in reversed(firsts) if grids[j] == row and torch.equal(images[j], image)), None)
             if earlier is None:
                 firsts.append(i)
                 keys.append((_digest(image.detach().contiguous().cpu().numpy()), tuple(row)))
