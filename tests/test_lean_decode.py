@@ -101,6 +101,7 @@ def test_distinct_rows_give_the_processors_own_batch(setup):
                                                        tokenize=True, return_dict=True),
         "all distinct": lambda: processor(text=texts[:6], images=images[:6], padding=True, return_tensors="pt"),
         "text only": lambda: processor(text=[it.text for it in items] * 2, padding=True, return_tensors="pt"),
+        "positional": lambda: processor(images, texts, padding=True, return_tensors="pt"),
     }
     plain = {name: call() for name, call in calls.items()}
     config = processor.to_json_string()

@@ -14,7 +14,7 @@ class RopeIndex:
     """Replaces a Qwen3-VL model's `get_rope_index` (`install`); `fallbacks` counts the calls HF answered."""
 
     def __init__(self, model: torch.nn.Module):
-        self.model, self.stock = model, model.get_rope_index
+        self.stock = model.get_rope_index
         self.merge = model.config.vision_config.spatial_merge_size
         self.calls = self.fallbacks = 0
 
@@ -25,8 +25,9 @@ class RopeIndex:
         model.model.get_rope_index = index
         return index
 
-    def __call__(self, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, image_grid_thw: torch.Tensor | None = None,
-                 video_grid_thw: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, **kwargs):
+    def __call__(self, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor,
+                 image_grid_thw: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, **kwargs):
         answer = None
         if video_grid_thw is None and image_grid_thw is not None and not kwargs:
             answer = self._positions(input_ids, mm_token_type_ids, image_grid_thw, attention_mask)

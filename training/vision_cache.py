@@ -138,8 +138,9 @@ class DistinctRows(TrainerCallback):
     them: the tensors and lists the processor itself answers (padding depends only on the longest row, which
     is among the distinct ones). Images are told apart by identity, which is safe within one call (all are
     alive) and what GRPO's repeats of a `shared` image have. Calls it cannot split that way (other inputs or
-    outputs, no repeats) go through as they are. As a trainer callback it swaps the processor's class only inside training steps, like
-    PixelCache: `processor(...)` looks `__call__` up on the class, and checkpoints save the stock one."""
+    outputs, no repeats) go through as they are. As a trainer callback it swaps the processor's class only
+    inside training steps, like PixelCache: `processor(...)` looks `__call__` up on the class, and
+    checkpoints save the stock one."""
 
     ROW_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids"})
     IMAGE_KEYS = frozenset({"pixel_values", "image_grid_thw"})
@@ -162,23 +163,25 @@ class DistinctRows(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.detach()
 
-    def _call(self, processor, images=None, text=None, *args, **kwargs):
+    def _call(self, processor, *args, **kwargs):
         stock = self.stock.__call__
+        images, text = kwargs.get("images"), kwargs.get("text")
         if (args or kwargs.get("videos") is not None or kwargs.get("audio") is not None
                 or not isinstance(text, list) or not isinstance(images, list) or len(images) != len(text)
                 or not all(isinstance(t, str) for t in text)
                 or not all(isinstance(row, list) and all(isinstance(i, Image.Image) for i in row) for row in images)):
-            return stock(processor, images=images, text=text, *args, **kwargs)
+            return stock(processor, *args, **kwargs)
         keys = [(t, tuple(map(id, row))) for t, row in zip(text, images)]
         firsts: dict[tuple, int] = {}
         for i, key in enumerate(keys):
             firsts.setdefault(key, i)
         if len(firsts) == len(keys):
-            return stock(processor, images=images, text=text, *args, **kwargs)
+            return stock(processor, **kwargs)
         distinct = list(firsts.values())
-        out = stock(processor, images=[images[i] for i in distinct], text=[text[i] for i in distinct], **kwargs)
+        rows = {"images": [images[i] for i in distinct], "text": [text[i] for i in distinct]}
+        out = stock(processor, **kwargs | rows)
         if not set(out) <= self.ROW_KEYS | self.IMAGE_KEYS or ("pixel_values" in out) != ("image_grid_thw" in out):
-            return stock(processor, images=images, text=text, **kwargs)
+            return stock(processor, **kwargs)
         self.rows += len(keys)
         self.processed += len(distinct)
         slot = {key: j for j, key in enumerate(firsts)}
@@ -193,8 +196,10 @@ class DistinctRows(TrainerCallback):
                 data[name] = torch.cat([pixels[i] for i in picked])
             elif name == "image_grid_thw":
                 data[name] = value[torch.tensor(picked)]
+            elif isinstance(value, torch.Tensor):
+                data[name] = value[torch.tensor(order)]
             else:
-                data[name] = value[torch.tensor(order)] if isinstance(value, torch.Tensor) else [value[j] for j in order]
+                data[name] = [value[j] for j in order]
         return BatchFeature(data)
 
 
