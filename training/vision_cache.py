@@ -74,12 +74,22 @@ class VisionCache:
             deepstack_features=[torch.cat([f[2][d] for f in found]) for d in range(len(found[0][2]))])
 
 
-class PixelCache(TrainerCallback):
+class _DuringSteps(TrainerCallback):
+    """A processor wrapper (its `attach` and `detach`) in place only inside training steps: a checkpoint,
+    saved between steps, saves the stock processor (its config is its attributes, which a wrapper would join)."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.attach()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.detach()
+
+
+class PixelCache(_DuringSteps):
     """Wraps an image processor's `preprocess` for lists of PIL images (nested per prompt, as processors take
     them), for processors that answer with tensors: each distinct image (by its pixels and the call's
-    settings) is resized and patched once; any other input or output goes through as it is. As a trainer
-    callback it wraps the processor only inside training steps: a checkpoint saves the stock processor (its
-    config is the processor's attributes, which a wrapper would join)."""
+    settings) is resized and patched once; any other input or output goes through as it is. Attached inside
+    training steps only."""
 
     def __init__(self, image_processor, max_images: int = MAX_PREPROCESSED):
         self.image_processor, self.preprocess, self.max_images = image_processor, image_processor.preprocess, max_images
@@ -91,12 +101,6 @@ class PixelCache(TrainerCallback):
 
     def detach(self) -> None:
         self.image_processor.__dict__.pop("preprocess", None)
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.attach()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.detach()
 
     def __call__(self, images, *args, **kwargs):
         flat = _flatten(images)
@@ -133,14 +137,13 @@ def shared(image: Image.Image) -> SharedImage:
     return image
 
 
-class DistinctRows(TrainerCallback):
+class DistinctRows(_DuringSteps):
     """Processes each distinct (text, image objects) row of a processor call once and assembles the batch from
     them: the tensors and lists the processor itself answers (padding depends only on the longest row, which
     is among the distinct ones). Images are told apart by identity, which is safe within one call (all are
     alive) and what GRPO's repeats of a `shared` image have. Calls it cannot split that way (other inputs or
-    outputs, no repeats) go through as they are. As a trainer callback it swaps the processor's class only
-    inside training steps, like PixelCache: `processor(...)` looks `__call__` up on the class, and
-    checkpoints save the stock one."""
+    outputs, no repeats) go through as they are. Attached inside training steps only, by swapping the
+    processor's class: `processor(...)` looks `__call__` up on the class."""
 
     ROW_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids"})
     IMAGE_KEYS = frozenset({"pixel_values", "image_grid_thw"})
@@ -156,12 +159,6 @@ class DistinctRows(TrainerCallback):
 
     def detach(self) -> None:
         self.processor.__class__ = self.stock
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.attach()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.detach()
 
     def _call(self, processor, *args, **kwargs):
         stock = self.stock.__call__
