@@ -57,13 +57,14 @@ class RopeIndex:
         ordinal = (starts.flatten().long().cumsum(0) - 1).view_as(starts)  # each image token's image, batch order
         if not torch.equal(torch.bincount(ordinal[image], minlength=len(grids)), t * h * w):
             return None
-        span = torch.maximum(h, w)  # positions an image moves the text after it by
-        at = ordinal.clamp(min=0)
+        at = ordinal.clamp(min=0)  # per token: its image's grid and span (text tokens: any, masked below)
+        h_at, w_at = h[at], w[at]
+        span_at = torch.maximum(h_at, w_at)  # positions an image moves the text after it by
         texts_before = text.long().cumsum(1) - text.long()
-        spans_so_far = (starts.long() * span[at]).cumsum(1)
-        k = index - torch.where(starts, index, torch.zeros_like(index)).cummax(1).values  # place within its image
-        here = texts_before + spans_so_far - torch.where(image, span[at], torch.zeros_like(span[at]))
-        offsets = torch.stack([k // (h[at] * w[at]), (k // w[at]) % h[at], k % w[at]]) * image
+        spans_so_far = (span_at * starts).cumsum(1)
+        k = index - (index * starts).cummax(1).values  # place within its image
+        here = texts_before + spans_so_far - span_at * image
+        offsets = torch.stack([k // (h_at * w_at), (k // w_at) % h_at, k % w_at]) * image
         positions = (here.unsqueeze(0) + offsets) * valid
         deltas = (positions.amax(dim=(0, 2)) + 1 - valid.sum(1)).unsqueeze(1)
         return positions.to(input_ids.dtype), deltas
