@@ -3,17 +3,20 @@
 Both are real `ray.serve.llm` apps in one local Ray Serve, on the same echo engine (bench/echo_engine.py, a
 fixture: the engine costs next to nothing and the ingress is what differs), reading the same adapter folder
 from a real local S3; the manifests are published with the routes stamp, as promotion publishes them.
-Each side is deployed twice, once first and once second (an A/A run showed a deployment-order bias), and load
-alternates between the two in paired rounds so that machine noise hits both alike; latency is measured at
-concurrency 1 in interleaved pairs (one request to each side, back to back, the order alternating).
+Each side is deployed twice, once first and once second (an A/A run showed a deployment-order bias). Each
+throughput round loads both sides at once for `--round-seconds`, 8 clients each, so that machine noise hits both
+alike (rounds taken in turn spread 0.70-1.31x on this 2-core machine, bench/README.md); the rounds go to the two
+deployments in turn. Latency is measured at concurrency 1 in interleaved pairs (one request to each side, back
+to back, the order alternating).
 With `--pin` the stack and Ray run on all cores but the last and the load generator on the last (on 2 cores
 this made the rounds noisier, bench/README.md). The result is refused (exit 1, nothing
-recorded) when the rounds disagree: paired ratios' interquartile range above 0.10, or their median more than 0.03
-from the ratio of the medians. Goals (issue 38): alias throughput >= 0.97x stock at 10k `/v1/models` entries
+recorded) when the rounds do not pin the figure down: the paired median's 95% interval (order statistics, no
+assumption about the rounds' distribution) wider than 0.06, or the median more than 0.03 from the ratio of the
+medians. More rounds narrow the interval; a noisier machine needs more of them. Goals (issue 38): alias throughput >= 0.97x stock at 10k `/v1/models` entries
 (3334 registered models x base name + 2 served aliases), +p50 <= 0.2 ms, and `/v1/models` < 50 ms.
 figure = alias throughput (req/s), baseline = stock throughput.
 
-Usage: python bench/ingress_overhead.py [--requests 1200] [--latency-requests 600] [--rounds 12] [--models 3334]
+Usage: python bench/ingress_overhead.py [--round-seconds 3] [--rounds 48] [--latency-requests 1200] [--models 3334]
        [--pin]
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
 import statistics
@@ -91,9 +95,13 @@ def bench_environ(root: Path, **overrides: str) -> dict[str, str]:
             "RLOPS_SERVING__TRACES__SAMPLE_RATE": "0", **overrides}
 
 
-def paired_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The load options every paired-rounds bench takes."""
-    parser.add_argument("--requests", type=int, default=1200, help="throughput requests per side, all rounds")
+def paired_arguments(parser: argparse.ArgumentParser, windows: bool = False) -> argparse.ArgumentParser:
+    """The load options every paired-rounds bench takes; `windows`: rounds last `--round-seconds` with every side
+    loaded at once (`simultaneous_rounds`) instead of a number of requests per side in turn."""
+    if windows:
+        parser.add_argument("--round-seconds", type=float, default=3.0, help="length of each simultaneous round")
+    else:
+        parser.add_argument("--requests", type=int, default=1200, help="throughput requests per side, all rounds")
     parser.add_argument("--latency-requests", type=int, default=600, help="concurrency-1 requests per side")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--concurrency", type=int, default=8)
@@ -201,6 +209,62 @@ async def interleaved_latency(sides: dict[str, tuple[str, str]], requests: int, 
     return latencies, failures
 
 
+async def together(sides: dict[str, tuple[str, str]], seconds: float,
+                   concurrency: int) -> tuple[dict[str, float], dict[str, int]]:
+    """Answers/s of every side (url, model) over one window in which all sides are loaded at once, `concurrency`
+    clients each, and their non-200 counts. A burst of machine noise lands on every side alike, which rounds
+    taken in turn cannot promise on 2 shared cores; an answer that ends after the window does not count."""
+    answers = {side: 0 for side in sides}
+    failures = {side: 0 for side in sides}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    https = {side: httpx.AsyncClient(timeout=60, limits=limits) for side in sides}
+
+    async def client(side: str, first: int) -> None:
+        url, model = sides[side]
+        n = first
+        while time.perf_counter() < ends:
+            r = await https[side].post(f"{url}/v1/chat/completions", json=chat_body(model, n, False, None))
+            n += concurrency
+            if time.perf_counter() <= ends:
+                answers[side] += 1
+                failures[side] += r.status_code != 200
+
+    try:
+        ends = time.perf_counter() + seconds
+        await asyncio.gather(*(client(side, first) for side in sides for first in range(concurrency)))
+    finally:
+        for http in https.values():
+            await http.aclose()
+    return {side: count / seconds for side, count in answers.items()}, failures
+
+
+def simultaneous_rounds(deployments: list[dict[str, tuple[str, str]]], rounds: int, seconds: float,
+                        concurrency: int) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Per side: answers/s of each `together` round, the rounds going to each deployment in turn (each deploys
+    the sides in another order), and the non-200 count."""
+    throughput: dict[str, list[float]] = {side: [] for side in deployments[0]}
+    failures = {side: 0 for side in deployments[0]}
+    for round_ in range(rounds):
+        rps, failed = asyncio.run(together(deployments[round_ % len(deployments)], seconds, concurrency))
+        for side in throughput:
+            throughput[side].append(rps[side])
+            failures[side] += failed[side]
+    return throughput, failures
+
+
+def pooled_latency(deployments: list[dict[str, tuple[str, str]]],
+                   requests: int) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """`interleaved_latency` over each deployment in turn, the requests shared out and the results pooled."""
+    latencies: dict[str, list[float]] = {side: [] for side in deployments[0]}
+    failures = {side: 0 for side in deployments[0]}
+    for sides in deployments:
+        part, failed = asyncio.run(interleaved_latency(sides, requests // len(deployments)))
+        for side in latencies:
+            latencies[side] += part[side]
+            failures[side] += failed[side]
+    return latencies, failures
+
+
 def paired_rounds(sides: dict[str, tuple[str, str]], rounds: int, requests: int, latency_requests: int,
                   concurrency: int, **load_kwargs) -> tuple[dict, dict, dict]:
     """Per side (url, model): requests/s of each round, latencies at concurrency 1 (`interleaved_latency`),
@@ -231,14 +295,26 @@ def counterbalanced(deployments: list[dict[str, tuple[str, str]]], rounds: int, 
     return pooled
 
 
-IQR_BOUND = 0.10  # paired ratios' interquartile range above this: the rounds disagree
+INTERVAL_BOUND = 0.06  # the paired median's 95% interval wider than this: the rounds do not pin it down
 AGREE_BOUND = 0.03  # paired median vs ratio of medians
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """Distribution-free interval of the median: the k-th smallest and k-th largest value, k the largest rank
+    whose Binomial(n, 1/2) tail below it stays within (1 - confidence) / 2; None when n is too small for one."""
+    ordered, n = sorted(values), len(values)
+    tail, k = 0.0, 0
+    while k < n // 2 and tail + math.comb(n, k) / 2 ** n <= (1 - confidence) / 2:
+        tail += math.comb(n, k) / 2 ** n
+        k += 1
+    return (ordered[k - 1], ordered[n - k]) if k else None
 
 
 @dataclass(frozen=True)
 class PairedRatio:
-    """Throughput of one side over another, round by round: the paired median and its spread."""
+    """Throughput of one side over another, round by round: the paired median, its 95% interval and spread."""
     median: float
+    interval: tuple[float, float] | None
     low: float
     high: float
     q1: float
@@ -249,17 +325,21 @@ class PairedRatio:
     def of(cls, side: list[float], base: list[float]) -> "PairedRatio":
         ratios = sorted(a / b for a, b in zip(side, base))
         q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-        return cls(statistics.median(ratios), ratios[0], ratios[-1], q1, q3,
+        return cls(statistics.median(ratios), median_interval(ratios), ratios[0], ratios[-1], q1, q3,
                    statistics.median(side) / statistics.median(base))
 
     def text(self) -> str:
-        return (f"{self.median:.3f}x paired median (IQR {self.q1:.3f}-{self.q3:.3f}, min {self.low:.3f}, max "
-                f"{self.high:.3f}); {self.of_medians:.3f}x ratio of medians")
+        interval = "none: too few rounds" if self.interval is None else \
+            f"{self.interval[0]:.3f}-{self.interval[1]:.3f}"
+        return (f"{self.median:.3f}x paired median (95% interval {interval}; IQR {self.q1:.3f}-{self.q3:.3f}, "
+                f"min {self.low:.3f}, max {self.high:.3f}); {self.of_medians:.3f}x ratio of medians")
 
     def disagreement(self) -> str | None:
         """Why these rounds cannot be trusted, or None."""
-        if self.q3 - self.q1 > IQR_BOUND:
-            return f"the paired ratios' interquartile range {self.q3 - self.q1:.3f} is above {IQR_BOUND}"
+        if self.interval is None:
+            return "too few rounds for a 95% interval of the median (6 at least)"
+        if (width := self.interval[1] - self.interval[0]) > INTERVAL_BOUND:
+            return f"the paired median's 95% interval is {width:.3f} wide, above {INTERVAL_BOUND} (more rounds narrow it)"
         if abs(self.median - self.of_medians) > AGREE_BOUND:
             return (f"the paired median {self.median:.3f}x and the ratio of medians {self.of_medians:.3f}x differ by "
                     f"more than {AGREE_BOUND}")
@@ -277,6 +357,7 @@ class PairedFigures:
     p50: dict[str, float]
     p99: dict[str, float]
     delta: tuple[float, float, float]  # +p50 (ms): median of the pairs' differences, its q1 and q3
+    delta_interval: tuple[float, float] | None  # the delta's 95% interval
     pairs: int
 
     @classmethod
@@ -285,7 +366,8 @@ class PairedFigures:
                    PairedRatio.of(rounds[side], rounds[base]),
                    {s: percentile(latencies[s], 50) for s in (side, base)},
                    {s: percentile(latencies[s], 99) for s in (side, base)},
-                   latency_delta(latencies[side], latencies[base]), len(latencies[side]))
+                   latency_delta(latencies[side], latencies[base]),
+                   median_interval([a - b for a, b in zip(latencies[side], latencies[base])]), len(latencies[side]))
 
     def show(self, args: argparse.Namespace, failures: dict[str, int], throughput_goal: str, latency_goal: str) -> None:
         """Print both sides and the two comparisons; any non-200 fails the run."""
@@ -295,8 +377,10 @@ class PairedFigures:
         print(f"throughput {self.side}/{self.base} over {args.rounds} paired rounds: {self.ratio.text()} "
               f"(goal {throughput_goal}){'; pinned' if args.pin else ''}")
         delta, q1, q3 = self.delta
+        low, high = self.delta_interval or (float("nan"), float("nan"))
         print(f"p50 {self.side}/{self.base} = {self.p50[self.side] / self.p50[self.base]:.3f}x; +p50 = {delta:+.2f} ms, "
-              f"median of {self.pairs} interleaved pairs (IQR {q1:+.2f} to {q3:+.2f}; goal {latency_goal})")
+              f"median of {self.pairs} interleaved pairs (95% interval {low:+.2f} to {high:+.2f}, IQR {q1:+.2f} to "
+              f"{q3:+.2f}; goal {latency_goal})")
         assert failures[self.side] == failures[self.base] == 0, failures
 
     def record(self, script: str, throughput_goal: str, p50_goal: str) -> None:
@@ -320,8 +404,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    parser = paired_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser = paired_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]), windows=True)
     parser.add_argument("--models", type=int, default=3334, help="registered models in _routes/ (3 entries each)")
+    parser.set_defaults(rounds=48, latency_requests=1200)
     args = parser.parse_args()
 
     from ray import serve
@@ -342,8 +427,9 @@ def main() -> None:
             for url, model in sides.values():  # warm-up: adapter download, handles, connections
                 asyncio.run(load(url, model, 50, args.concurrency))
         sides = deployments[0]
-        rounds, latencies, failures = counterbalanced(deployments, args.rounds, args.requests, args.latency_requests,
-                                                      args.concurrency)
+        rounds, failures = simultaneous_rounds(deployments, args.rounds, args.round_seconds, args.concurrency)
+        latencies, latency_failures = pooled_latency(deployments, args.latency_requests)
+        failures = {side: failures[side] + latency_failures[side] for side in failures}
         models_url = f"{sides['alias'][0]}/v1/models"
         entries = len(httpx.get(models_url, timeout=30).json()["data"])
         models_ms = []
