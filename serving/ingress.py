@@ -17,6 +17,7 @@ import os
 import random
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Mapping
 
@@ -244,12 +245,13 @@ LATENCY_BOUNDARIES_MS = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 
 
 class IngressMetrics:
     """Prometheus metrics through Ray Serve's metrics API, tagged by resolved model/alias/version only
-    (never the raw client string: unknown names would blow up the label cardinality). Histograms are observed
-    per answer; counters are summed per tag set and added every `COUNTS_FLUSH_S` (Ray exports every few
-    seconds anyway, and a record call costs tens of microseconds on the request path)."""
+    (never the raw client string: unknown names would blow up the label cardinality). The request path only
+    gathers values (counters summed per tag set); a thread of its own hands them to Ray every `FLUSH_S` (Ray
+    exports every few seconds anyway). Ray's record call releases the GIL, and on a busy replica the event loop
+    waited ~0.14 ms a call to get it back (py-spy, bench/README.md)."""
 
     TAGS = ("registered_model", "alias", "version", "canary", "endpoint")
-    COUNTS_FLUSH_S = 0.5
+    FLUSH_S = 0.5
 
     def __init__(self):
         from ray.serve import metrics
@@ -269,9 +271,11 @@ class IngressMetrics:
         self.shadows = metrics.Counter("rlops_serving_shadow_copies", "Copies of requests to shadow versions: "
                                        "sent, dropped (queue full), failed (the copy could not be sent).",
                                        tag_keys=("outcome",))
+        self._observed: list[tuple[tuple[str, ...], float, float | None]] = []  # (tag values, latency, ttft)
         self._counts: dict[tuple[str, ...], list[int]] = {}  # tag values -> [requests, prompt, completion]
         self._error_counts: dict[tuple[str, ...], int] = {}  # tag values + status -> errors
         self._flush_due = False
+        self._exporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlops-metrics")
 
     def count_traces(self, outcome: str, n: int) -> None:
         self.traces.inc(n, tags={"outcome": outcome})
@@ -281,17 +285,14 @@ class IngressMetrics:
 
     def record(self, resolution: Resolution | None, endpoint: str, status: int, latency_ms: float, *,
                ttft_ms: float | None = None, usage: tuple[int, int] | None = None) -> None:
-        """Called on the replica's event loop (the request path), which also runs the counters' flush."""
+        """Called on the replica's event loop (the request path), which also runs `flush`."""
         ref = resolution.ref if resolution else None
         values = ((ref.model or "(base)") if ref else "(unresolved)",
                   (resolution.alias or "") if resolution else "",
                   str(resolution.version or "") if resolution else "",
                   "true" if resolution and resolution.canary else "false",
                   endpoint)
-        tags = dict(zip(self.TAGS, values))
-        self.latency.observe(latency_ms, tags=tags)
-        if ttft_ms is not None:
-            self.ttft.observe(ttft_ms, tags=tags)
+        self._observed.append((values, latency_ms, ttft_ms))
         counts = self._counts.setdefault(values, [0, 0, 0])
         counts[0] += 1
         if usage is not None:
@@ -302,12 +303,26 @@ class IngressMetrics:
             self._error_counts[errors_key] = self._error_counts.get(errors_key, 0) + 1
         if not self._flush_due:
             self._flush_due = True
-            asyncio.get_running_loop().call_later(self.COUNTS_FLUSH_S, self.flush_counts)
+            asyncio.get_running_loop().call_later(self.FLUSH_S, self.flush)
 
-    def flush_counts(self) -> None:
-        counts, self._counts = self._counts, {}
-        error_counts, self._error_counts = self._error_counts, {}
+    def flush(self) -> None:
+        """Hands what the request path gathered to the exporter thread."""
+        batch = self._observed, self._counts, self._error_counts
+        self._observed, self._counts, self._error_counts = [], {}, {}
         self._flush_due = False
+        self._exporter.submit(self._export, *batch)
+
+    def close(self) -> None:
+        """The replica's shutdown: what was gathered is handed to Ray before this returns."""
+        self.flush()
+        self._exporter.shutdown(wait=True)
+
+    def _export(self, observed: list, counts: dict, error_counts: dict) -> None:
+        for values, latency_ms, ttft_ms in observed:
+            tags = dict(zip(self.TAGS, values))
+            self.latency.observe(latency_ms, tags=tags)
+            if ttft_ms is not None:
+                self.ttft.observe(ttft_ms, tags=tags)
         for values, (requests, prompt, completion) in counts.items():
             tags = dict(zip(self.TAGS, values))
             self.requests.inc(requests, tags=tags)
@@ -353,7 +368,7 @@ class AliasIngress(OpenAiIngress):
     def __del__(self):  # Serve's graceful shutdown of the replica
         metrics = getattr(self, "_metrics", None)
         if metrics is not None:
-            metrics.flush_counts()
+            metrics.close()
         routes = getattr(self, "_routes", None)
         if routes is not None:
             routes.stop(wait=False)
