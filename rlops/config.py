@@ -71,6 +71,8 @@ class TrackingConfig(_Section):
     )
     # tracker/ (issue 3): run sessions, spool, heartbeat, checkpoints, registration
     batch_size: int = Field(1000, ge=1, le=1000, description="metrics per log_batch request (MLflow max 1000)")
+    send_interval_s: float = Field(1.0, ge=0, description="the sender gathers points this long into one log_batch "
+                                   "(0: one request per step); a flush and the run's end send at once")
     retry_max_backoff_s: float = Field(10.0, gt=0, description="cap of the sender's exponential backoff")
     request_timeout_s: float = Field(10.0, gt=0, description="timeout of one background MLflow request")
     flush_timeout_s: float = Field(30.0, ge=0, description="bounded wait for spooled work when a run ends")

@@ -27,13 +27,13 @@ WRITE_INTERVAL_S = 0.01  # how long handed-over points may wait in memory before
 
 class MetricOutbox:
     def __init__(self, state_dir: Path, rest: MlflowRest, run_id: str, *, batch_size: int, max_backoff_s: float,
-                 on_dead_letters: Callable[[int], None], send: bool = True):
+                 on_dead_letters: Callable[[int], None], linger_s: float = 0.0, send: bool = True):
         self._spool = MetricSpool(state_dir)
         self.resumed_after_step = self._spool.previous_last_step
         self.replayed_points = 0
         self._send = send
         self._sender = MetricSender(self._spool, rest, run_id, batch_size=batch_size, max_backoff_s=max_backoff_s,
-                                    on_dead_letters=on_dead_letters, start=send)
+                                    linger_s=linger_s, on_dead_letters=on_dead_letters, start=send)
         for chunk in self._spool.unacknowledged() if send else ():
             self._sender.submit(chunk)
         # (step, timestamp_ms, metrics) from the training thread, or encoded bodies (evals and links), in order;

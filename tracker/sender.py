@@ -54,16 +54,20 @@ def wait_for_worker(cond: threading.Condition, done: Callable[[], bool], worker:
 
 class MetricSender:
     """One daemon thread per session. Points are sent in spool order, so the acknowledgement is a
-    watermark. Whatever is queued while a request is in flight forms the next batch (no linger)."""
+    watermark. Once a point is queued the sender gathers for up to `linger_s` (or until a batch is full,
+    or a flush asks) and sends what it has: one request per interval instead of one per training step,
+    each of which cost the MLflow server ~14 ms of CPU beside training (bench/README.md)."""
 
     def __init__(self, spool: MetricSpool, rest: MlflowRest, run_id: str, *, batch_size: int,
-                 max_backoff_s: float, on_dead_letters: Callable[[int], None] = lambda count: None,
-                 start: bool = True):
+                 max_backoff_s: float, linger_s: float = 0.0,
+                 on_dead_letters: Callable[[int], None] = lambda count: None, start: bool = True):
         self._spool = spool
         self._rest = rest
         self._run_id = run_id
         self._batch_size = min(batch_size, MAX_METRICS_PER_BATCH)
         self._max_backoff_s = max_backoff_s
+        self._linger_s = linger_s
+        self._flushing = 0  # flushes waiting: the sender sends at once
         self._queue: deque[Chunk] = deque()
         self._offset = 0  # points of the head chunk already acknowledged
         self._queued_points = 0
@@ -95,7 +99,12 @@ class MetricSender:
         """Wait until everything submitted so far is acknowledged; False if the bound ran out."""
         with self._cond:
             target = self._submitted
-            return wait_for_worker(self._cond, lambda: self._spool.acked >= target, self._thread, timeout_s)
+            self._flushing += 1
+            self._cond.notify_all()
+            try:
+                return wait_for_worker(self._cond, lambda: self._spool.acked >= target, self._thread, timeout_s)
+            finally:
+                self._flushing -= 1
 
     def stop(self) -> None:
         with self._cond:
@@ -141,6 +150,8 @@ class MetricSender:
             with self._cond:
                 while not self._queue and not self._stopping:
                     self._cond.wait()
+                self._cond.wait_for(lambda: self._stopping or self._flushing or self._queued_points >= self._batch_size,
+                                    timeout=self._linger_s)
                 if self._stopping:
                     return  # unacknowledged points stay in the spool for the next start
                 bodies, last_seq = self._next_batch()

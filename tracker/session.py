@@ -66,6 +66,7 @@ class RunSession:
         self.landed_checkpoints = 0
         self._outbox = MetricOutbox(self._state, self._rest, run_id, batch_size=config.tracking.batch_size,
                                     max_backoff_s=config.tracking.retry_max_backoff_s,
+                                    linger_s=config.tracking.send_interval_s,
                                     on_dead_letters=self._tag_dead_letters, send=not offline)
         self._datasets = EvalDatasets(stored_datasets(self._state))
         # offline nothing lands: a registration always waits as a job for the sync
