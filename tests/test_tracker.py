@@ -94,6 +94,35 @@ def test_sender_splits_chunks_into_batches_in_order(tmp_path):
     assert all(len(batch) <= 3 for batch in rest.batches)
 
 
+
+def test_sender_gathers_points_for_its_interval_and_a_flush_sends_at_once(tmp_path):
+    class Recorder:  # stands in for the REST client: records what would be posted
+        timeout_s = 1.0
+
+        def __init__(self):
+            self.batches = []
+
+        def log_metrics(self, run_id, bodies, timeout_s=None):
+            self.batches.append([decode(b).step for b in bodies])
+
+    spool, rest = MetricSpool(tmp_path), Recorder()
+    sender = MetricSender(spool, rest, "run", batch_size=100, max_backoff_s=1, linger_s=0.5)
+    for step in range(5):  # five training steps inside one interval: one request
+        sender.submit(spool.append([encode("m", 1.0, 1, step)]))
+        time.sleep(0.02)
+    deadline = time.monotonic() + 10
+    while spool.acked < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rest.batches == [[0, 1, 2, 3, 4]]
+    sender.stop()
+
+    slow = MetricSender(spool, rest, "run", batch_size=100, max_backoff_s=1, linger_s=3600)
+    slow.submit(spool.append([encode("m", 1.0, 1, 5)]))
+    started = time.monotonic()
+    assert slow.flush(10) and spool.acked == 6  # a flush does not wait for the interval
+    assert time.monotonic() - started < 5 and rest.batches[-1] == [5]
+    slow.stop()
+
 def test_the_training_thread_only_queues_until_the_writer_or_a_barrier_spools(tmp_path, monkeypatch):
     class Down:  # stands in for the REST client of an unreachable server: nothing is acknowledged
         timeout_s = 1.0
