@@ -74,16 +74,17 @@ def test_spool_replays_only_unacknowledged_points(tmp_path):
     assert MetricSpool(tmp_path).unacknowledged() == []
 
 
+class Recorder:  # stands in for the REST client: records the steps of each batch it would post
+    timeout_s = 1.0
+
+    def __init__(self):
+        self.batches = []
+
+    def log_metrics(self, run_id, bodies, timeout_s=None):
+        self.batches.append([decode(b).step for b in bodies])
+
+
 def test_sender_splits_chunks_into_batches_in_order(tmp_path):
-    class Recorder:  # stands in for the REST client: records what would be posted
-        timeout_s = 1.0
-
-        def __init__(self):
-            self.batches = []
-
-        def log_metrics(self, run_id, bodies, timeout_s=None):
-            self.batches.append([decode(b).step for b in bodies])
-
     spool, rest = MetricSpool(tmp_path), Recorder()
     sender = MetricSender(spool, rest, "run", batch_size=3, max_backoff_s=1)
     for chunk in ([0, 1], [2, 3, 4, 5, 6], [7]):
@@ -94,17 +95,7 @@ def test_sender_splits_chunks_into_batches_in_order(tmp_path):
     assert all(len(batch) <= 3 for batch in rest.batches)
 
 
-
 def test_sender_gathers_points_for_its_interval_and_a_flush_sends_at_once(tmp_path):
-    class Recorder:  # stands in for the REST client: records what would be posted
-        timeout_s = 1.0
-
-        def __init__(self):
-            self.batches = []
-
-        def log_metrics(self, run_id, bodies, timeout_s=None):
-            self.batches.append([decode(b).step for b in bodies])
-
     spool, rest = MetricSpool(tmp_path), Recorder()
     sender = MetricSender(spool, rest, "run", batch_size=100, max_backoff_s=1, linger_s=0.5)
     for step in range(5):  # five training steps inside one interval: one request
