@@ -19,7 +19,7 @@ Goal (issue 31): under steady load, throughput >= 0.95x the plain alias and p50 
 figure = shadowed-alias answers/s under the steady load, baseline = plain alias.
 
 Usage: python bench/shadow.py [--requests 1200] [--latency-requests 600] [--rounds 12] [--percent 20]
-       [--load 0.5] [--steady-seconds 15] [--pin]
+       [--load 0.5 | --rate R] [--steady-seconds 15] [--pin]
 """
 from __future__ import annotations
 
@@ -153,6 +153,8 @@ def main() -> None:
     parser = paired_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--percent", type=float, default=20.0, help="the shadow's share of the alias's requests")
     parser.add_argument("--load", type=float, default=0.5, help="the steady rate as a share of the plain capacity")
+    parser.add_argument("--rate", type=float, default=None, help="the steady rate in req/s instead of --load: runs "
+                        "whose measured capacities differ then load the sides alike")
     parser.add_argument("--steady-seconds", type=float, default=15.0, help="seconds of each steady round")
     args = parser.parse_args()
 
@@ -183,7 +185,8 @@ def main() -> None:
                 assert failed == 0, f"{url}: {failed} of 80 warm-up requests failed"
         rounds, latencies, failures = counterbalanced(deployments, args.rounds, args.requests, args.latency_requests,
                                                       args.concurrency)
-        rate = args.load * statistics.median(rounds["plain"])
+        rate = args.rate or args.load * statistics.median(rounds["plain"])
+        load_share = rate / statistics.median(rounds["plain"])
         steady_rps, steady_p50, steady_failures = steady_rounds(deployments, args.rounds, rate, args.steady_seconds)
         copies, shadowed, traces = settled_counts(f"http://127.0.0.1:{metrics_port}/metrics")
 
@@ -192,7 +195,7 @@ def main() -> None:
     capacity.show(args, failures, "none: reported", "none: reported")
     throughput, p50 = PairedRatio.of(steady_rps["shadow"], steady_rps["plain"]), \
         PairedRatio.of(steady_p50["shadow"], steady_p50["plain"])
-    print(f"steady load at {rate:.1f} req/s ({args.load:g}x the plain capacity), {args.rounds} paired rounds of "
+    print(f"steady load at {rate:.1f} req/s ({load_share:.2f}x the plain capacity), {args.rounds} paired rounds of "
           f"{args.steady_seconds:g} s; non-200 {steady_failures}")
     for side in ("shadow", "plain"):
         print(f"  {side}: {statistics.median(steady_rps[side]):7.2f} answers/s, p50 "
@@ -212,7 +215,7 @@ def main() -> None:
     name = Path(__file__).name
     record(name, statistics.median(steady_rps["shadow"]), f"answers/s at a steady {rate:.1f} req/s (ratio = median "
            "of paired rounds)", statistics.median(steady_rps["plain"]), throughput.median,
-           f">= 0.95x the plain alias's throughput under steady load ({args.load:g}x capacity) with a "
+           f">= 0.95x the plain alias's throughput under steady load ({load_share:.2f}x capacity) with a "
            f"{args.percent:g}% shadow, pairs traced (echo engine)")
     record(f"{name}:p50", statistics.median(steady_p50["shadow"]), f"ms p50 at a steady {rate:.1f} req/s (ratio = "
            "median of paired rounds)", statistics.median(steady_p50["plain"]), p50.median,
