@@ -12,8 +12,9 @@ With `--pin` the stack and Ray run on all cores but the last and the load genera
 this made the rounds noisier, bench/README.md). The result is refused (exit 1, nothing
 recorded) when the rounds do not pin the figure down: the paired median's 95% interval (order statistics, no
 assumption about the rounds' distribution) wider than 0.06, or the median more than 0.03 from the ratio of the
-medians. More rounds narrow the interval; a noisier machine needs more of them. Goals (issue 38): alias throughput >= 0.97x stock at 10k `/v1/models` entries
-(3334 registered models x base name + 2 served aliases), +p50 <= 0.2 ms, and `/v1/models` < 50 ms.
+medians. More rounds narrow the interval; a noisier machine needs more of them. Goals (issue 38): alias
+throughput >= 0.97x stock at 10k `/v1/models` entries (3334 registered models x base name + 2 served aliases),
++p50 <= 0.2 ms, and `/v1/models` < 50 ms.
 figure = alias throughput (req/s), baseline = stock throughput.
 
 Usage: python bench/ingress_overhead.py [--round-seconds 3] [--rounds 64] [--latency-requests 1200] [--models 3334]
@@ -252,17 +253,20 @@ def simultaneous_rounds(deployments: list[dict[str, tuple[str, str]]], rounds: i
     return throughput, failures
 
 
+def pooled(parts: list[tuple[dict, ...]]) -> tuple[dict, ...]:
+    """Per-side results of several deployments merged, position by position: lists joined, counts summed."""
+    merged: tuple[dict, ...] = tuple({} for _ in parts[0])
+    for part in parts:
+        for into, piece in zip(merged, part):
+            for side, value in piece.items():
+                into[side] = into.get(side, 0 if isinstance(value, int) else []) + value
+    return merged
+
+
 def pooled_latency(deployments: list[dict[str, tuple[str, str]]],
                    requests: int) -> tuple[dict[str, list[float]], dict[str, int]]:
     """`interleaved_latency` over each deployment in turn, the requests shared out and the results pooled."""
-    latencies: dict[str, list[float]] = {side: [] for side in deployments[0]}
-    failures = {side: 0 for side in deployments[0]}
-    for sides in deployments:
-        part, failed = asyncio.run(interleaved_latency(sides, requests // len(deployments)))
-        for side in latencies:
-            latencies[side] += part[side]
-            failures[side] += failed[side]
-    return latencies, failures
+    return pooled([asyncio.run(interleaved_latency(sides, requests // len(deployments))) for sides in deployments])
 
 
 def paired_rounds(sides: dict[str, tuple[str, str]], rounds: int, requests: int, latency_requests: int,
@@ -285,14 +289,9 @@ def counterbalanced(deployments: list[dict[str, tuple[str, str]]], rounds: int, 
     """`paired_rounds` over several deployments of the same sides (each deployed in another order), the
     rounds and requests shared out and the results pooled: an A/A run of two identical apps showed the app
     deployed first +0.5 ms slower at p50, a bias a single deployment order would pin on one side."""
-    pooled: tuple[dict, dict, dict] = ({}, {}, {})
-    for sides in deployments:
-        result = paired_rounds(sides, rounds // len(deployments), requests // len(deployments),
-                               latency_requests // len(deployments), concurrency, **load_kwargs)
-        for into, part in zip(pooled, result):
-            for side, value in part.items():
-                into[side] = into.get(side, 0 if isinstance(value, int) else []) + value
-    return pooled
+    return pooled([paired_rounds(sides, rounds // len(deployments), requests // len(deployments),
+                                 latency_requests // len(deployments), concurrency, **load_kwargs)
+                   for sides in deployments])
 
 
 INTERVAL_BOUND = 0.06  # the paired median's 95% interval wider than this: the rounds do not pin it down
@@ -339,7 +338,8 @@ class PairedRatio:
         if self.interval is None:
             return "too few rounds for a 95% interval of the median (6 at least)"
         if (width := self.interval[1] - self.interval[0]) > INTERVAL_BOUND:
-            return f"the paired median's 95% interval is {width:.3f} wide, above {INTERVAL_BOUND} (more rounds narrow it)"
+            return (f"the paired median's 95% interval is {width:.3f} wide, above {INTERVAL_BOUND} (more rounds "
+                    "narrow it)")
         if abs(self.median - self.of_medians) > AGREE_BOUND:
             return (f"the paired median {self.median:.3f}x and the ratio of medians {self.of_medians:.3f}x differ by "
                     f"more than {AGREE_BOUND}")
@@ -357,7 +357,7 @@ class PairedFigures:
     p50: dict[str, float]
     p99: dict[str, float]
     delta: tuple[float, float, float]  # +p50 (ms): median of the pairs' differences, its q1 and q3
-    delta_interval: tuple[float, float] | None  # the delta's 95% interval
+    delta_interval: tuple[float, float] | None  # the median difference's 95% interval
     pairs: int
 
     @classmethod
@@ -366,8 +366,7 @@ class PairedFigures:
                    PairedRatio.of(rounds[side], rounds[base]),
                    {s: percentile(latencies[s], 50) for s in (side, base)},
                    {s: percentile(latencies[s], 99) for s in (side, base)},
-                   latency_delta(latencies[side], latencies[base]),
-                   median_interval([a - b for a, b in zip(latencies[side], latencies[base])]), len(latencies[side]))
+                   *latency_delta(latencies[side], latencies[base]), len(latencies[side]))
 
     def show(self, args: argparse.Namespace, failures: dict[str, int], throughput_goal: str, latency_goal: str) -> None:
         """Print both sides and the two comparisons; any non-200 fails the run."""
@@ -393,10 +392,13 @@ class PairedFigures:
                self.p50[self.side] / self.p50[self.base], p50_goal)
 
 
-def latency_delta(side: list[float], base: list[float]) -> tuple[float, float, float]:
-    """Median of the paired differences (ms) and its interquartile range, from `interleaved_latency`."""
-    q1, median, q3 = statistics.quantiles([a - b for a, b in zip(side, base)], n=4, method="inclusive")
-    return median, q1, q3
+def latency_delta(side: list[float],
+                  base: list[float]) -> tuple[tuple[float, float, float], tuple[float, float] | None]:
+    """Median of the paired differences (ms) with its interquartile range, and the median's 95% interval,
+    from `interleaved_latency`."""
+    differences = [a - b for a, b in zip(side, base)]
+    q1, median, q3 = statistics.quantiles(differences, n=4, method="inclusive")
+    return (median, q1, q3), median_interval(differences)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -185,8 +185,9 @@ def main() -> None:
                 assert failed == 0, f"{url}: {failed} of 80 warm-up requests failed"
         rounds, latencies, failures = counterbalanced(deployments, args.rounds, args.requests, args.latency_requests,
                                                       args.concurrency)
-        rate = args.rate or args.load * statistics.median(rounds["plain"])
-        load_share = rate / statistics.median(rounds["plain"])
+        plain_capacity = statistics.median(rounds["plain"])
+        rate = args.rate or args.load * plain_capacity
+        load_share = rate / plain_capacity
         steady_rps, steady_p50, steady_failures = steady_rounds(deployments, args.rounds, rate, args.steady_seconds)
         copies, shadowed, traces = settled_counts(f"http://127.0.0.1:{metrics_port}/metrics")
 
