@@ -17,7 +17,7 @@ import os
 import random
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Mapping
 
@@ -305,17 +305,17 @@ class IngressMetrics:
             self._flush_due = True
             asyncio.get_running_loop().call_later(self.FLUSH_S, self.flush)
 
-    def flush(self) -> None:
+    def flush(self) -> Future:
         """Hands what the request path gathered to the exporter thread."""
         batch = self._observed, self._counts, self._error_counts
         self._observed, self._counts, self._error_counts = [], {}, {}
         self._flush_due = False
-        self._exporter.submit(self._export, *batch)
+        return self._exporter.submit(self._export, *batch)
 
     def close(self) -> None:
-        """The replica's shutdown: what was gathered is handed to Ray before this returns."""
-        self.flush()
-        self._exporter.shutdown(wait=True)
+        """The replica's shutdown: what was gathered is handed to Ray before this returns (the one exporter
+        thread works in order). The thread stays up: a flush already scheduled on the loop may still run."""
+        self.flush().result()
 
     def _export(self, observed: list, counts: dict, error_counts: dict) -> None:
         for values, latency_ms, ttft_ms in observed:
