@@ -8,8 +8,8 @@ throughput round loads both sides at once for `--round-seconds`, 8 clients each,
 alike (rounds taken in turn spread 0.70-1.31x on this 2-core machine, bench/README.md); the rounds go to the two
 deployments in turn. Latency is measured at concurrency 1 in interleaved pairs (one request to each side, back
 to back, the order alternating).
-With `--pin` the stack and Ray run on all cores but the last and the load generator on the last (on 2 cores
-this made the rounds noisier, bench/README.md). The result is refused (exit 1, nothing
+With `--pin` Ray runs on all cores but the last, and the load generator and the stack (MLflow, S3) on the last
+(on 2 cores this made the rounds noisier, bench/README.md). The result is refused (exit 1, nothing
 recorded) when the rounds do not pin the figure down: the paired median's 95% interval (order statistics, no
 assumption about the rounds' distribution) wider than 0.06, or the median more than 0.03 from the ratio of the
 medians. More rounds narrow the interval; a noisier machine needs more of them. Goals (issue 38): alias
@@ -107,7 +107,7 @@ def paired_arguments(parser: argparse.ArgumentParser, windows: bool = False) -> 
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=False,
-                        help="the load generator on the last core, the stack and Ray on the others")
+                        help="the load generator and the stack (MLflow, S3) on the last core, Ray on the others")
     return parser
 
 
@@ -115,18 +115,21 @@ def paired_arguments(parser: argparse.ArgumentParser, windows: bool = False) -> 
 def echo_serve(config, root: Path, seed: Callable[[Any], None] | None = None, timeout_s: float = 90,
                pin: bool = False) -> Iterator[int]:
     """A scratch stack (MLflow + S3) seeded by `seed` (default: the bench model's folder and manifests) and a
-    local Ray Serve; yields its port. `pin`: everything started here runs on all cores but the last, and the
-    calling thread (the load generator) moves to the last. Everything is stopped and `root` removed on the way out."""
+    local Ray Serve; yields its port. `pin`: the stack (the control plane) and the calling thread (the load
+    generator) run on the last core, Ray and what its replicas start on the others: the serving host apart from
+    MLflow and S3, as in the cluster deployment. Everything is stopped and `root` removed on the way out."""
     import ray
     from ray import serve
 
     cores = sorted(os.sched_getaffinity(0))
     if pin:  # processes and threads inherit the affinity of the thread that starts them
-        os.sched_setaffinity(0, cores[:-1])
+        os.sched_setaffinity(0, cores[-1:])
     rlops_stack.up(config, timeout_s=timeout_s)
     try:
         (seed or (lambda c: seed_s3(c, 0)))(config)
         os.environ.update(s3_environment(config))  # the node's env, as `rlops serve` does: no secret in runtime_env
+        if pin:
+            os.sched_setaffinity(0, cores[:-1])
         ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
                  _metrics_export_port=config.serving.metrics_port)
         port = free_port()
