@@ -299,7 +299,7 @@ class LocalTrainingConfig(_Section):
     """`rlops train --local`: SFT warm start + TRL GRPO + LoRA on one CPU machine (training/local_trainer)."""
 
     base_model: str | None = Field(None, description="HF id or path; default: the data dir's tiny SFT base")
-    steps: int = Field(1000, ge=1)
+    steps: int = Field(800, ge=1)
     budget_s: float = Field(300.0, gt=0)
     eval_interval: int = Field(100, ge=1)
     ckpt_interval: int = Field(100, ge=1)
@@ -319,6 +319,8 @@ class LocalTrainingConfig(_Section):
     sft_steps: int = Field(1200, ge=0)
     sft_learning_rate: float = Field(7e-4, gt=0)
     seed: int = 0
+    torch_threads: int | None = Field(None, ge=1, description="torch's CPU threads while GRPO runs; None: torch's "
+                                      "default (one per core). `rlops demo` leaves a core to the endpoint it starts")
     lean_rollouts: bool = Field(True, description="decode rollouts and evals outside HF's generate loop (the same "
                                 "tokens), process each distinct prompt and image once; false: TRL's stock path")
 

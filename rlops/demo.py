@@ -200,8 +200,16 @@ def run_demo(config: Config, *, fast: bool, terminal: Terminal, config_path: str
 
     with progress.stage("GRPO + LoRA training, tracked in MLflow") as stage:
         run_dir = config.data_path / "runs" / time.strftime("%Y%m%d-%H%M%S")
+        local = config.training.local
+        updates = {}
         if fast:  # the plumbing check: greedy evals only (sampled pass@1 of the random-init base says nothing)
-            local = config.training.local.model_copy(update={"eval_samples": 0})
+            updates["eval_samples"] = 0
+        if serve_record is not None and local.torch_threads is None:
+            # The endpoint starts beside: a core of its own, or torch's threads wait at every op for the one
+            # it holds (GRPO took 251 s beside it against ~125 s alone; bench/README.md).
+            updates["torch_threads"] = max(1, len(os.sched_getaffinity(0)) - 1)
+        if updates:
+            local = local.model_copy(update=updates)
             config = config.model_copy(update={"training": config.training.model_copy(update={"local": local})})
         result = local_trainer.train(config, run_dir, fast=fast, steps=FAST_STEPS if fast else None,
                                      log=stage.detail, report=lambda p: stage.live(p.line()))

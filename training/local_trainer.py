@@ -8,6 +8,7 @@ Entry point for the CLI, the demo and the bench: `train(config, run_dir, budget_
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import statistics
@@ -17,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from transformers import ProgressCallback, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -317,6 +319,18 @@ def grpo_trainer(config: Config, task: Task, base: Path, run_dir: Path, steps: i
     return trainer
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int | None):
+    """torch's intra-op threads set to `threads` inside (None: left as they are), restored on the way out."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def resume_checkpoint(run_dir: Path, logged_steps: frozenset[int]) -> Path | None:
     """The latest complete checkpoint of this run in `run_dir` (one the tracker logged: a checkpoint
     saved just before a crash, whose hook never ran, is redone)."""
@@ -424,7 +438,8 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
                      FixedEvalCallback(score, record, already_scored=scored_steps.__contains__)]
         trainer = grpo_trainer(config, task, base, run_dir, steps, callbacks, processor, train_items, groups.observe)
         started = time.monotonic()
-        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        with torch_threads(local.torch_threads):
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
         result.seconds = round(time.monotonic() - started, 1)
         result.steps = trainer.state.global_step
         done_here = result.steps - (int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint else 0)
