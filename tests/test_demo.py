@@ -93,6 +93,8 @@ def test_demo_fast_runs_the_whole_loop_on_the_second_task(stack, tmp_path, uniqu
         client = MlflowClient(stack.tracking_uri)
         run = client.get_run(summary["run_id"])
         assert run.info.status == "FINISHED" and run.data.tags["rlops.task"] == "tasks.shapes:ShapesTask"
+        # the endpoint started beside training: GRPO left it a core
+        assert run.data.params["torch_threads"] == str(max(1, len(os.sched_getaffinity(0)) - 1))
         assert "eval/shapes/count/avg_score" in run.data.metrics
         assert client.get_experiment(run.info.experiment_id).name == "shapes-grpo"
         rows = json.loads(Path(client.download_artifacts(run.info.run_id, table_artifact("shapes/count", 0),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from rlops.cli import main
@@ -18,7 +19,7 @@ from tasks.maze.env import answer_text, generate_maze, move, solve, walk_answer
 from tasks.maze.task import MazeTask, maze_item, shaped_reward
 from training.base import TrainingError, check_fits_machine, estimate_parameters, sft_items, tiny_init_dir
 from training.evaluation import SAMPLED_METRIC, completion_text, evaluate, item_mean_interval, wilson_interval
-from training.local_trainer import GRPO_PROMPTS, LORA_TARGETS, item_row, training_rewards, train
+from training.local_trainer import GRPO_PROMPTS, LORA_TARGETS, item_row, torch_threads, training_rewards, train
 
 
 def test_shaped_reward_orders_answers_by_quality():
@@ -107,6 +108,21 @@ def test_eval_samples_out_of_range_is_a_config_error(tmp_path, monkeypatch):
     for value, expected in (("-1", "greater than or equal to 0"), ("65", "less than or equal to 64")):
         with pytest.raises(ConfigError, match=f"RLOPS_TRAINING__LOCAL__EVAL_SAMPLES: training.local.eval_samples: .*{expected}"):
             load_config(None, environ={"RLOPS_TRAINING__LOCAL__EVAL_SAMPLES": value})
+
+
+def test_torch_threads_hold_inside_the_training_and_come_back_after_it(tmp_path, monkeypatch):
+    from rlops.config import ConfigError, load_config
+
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="boom"), torch_threads(1):
+        assert torch.get_num_threads() == 1
+        raise RuntimeError("boom")
+    assert torch.get_num_threads() == before
+    with torch_threads(None):
+        assert torch.get_num_threads() == before
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="training.local.torch_threads: .*greater than or equal to 1"):
+        load_config(None, environ={"RLOPS_TRAINING__LOCAL__TORCH_THREADS": "0"})
 
 
 def test_too_large_base_is_refused_before_loading():
