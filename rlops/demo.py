@@ -197,6 +197,8 @@ def run_demo(config: Config, *, fast: bool, terminal: Terminal, config_path: str
     base_env = {**(env or {}), "RLOPS_SERVING__MODEL_SOURCE": str(base)}
     # Serving needs only the base: its start (vLLM's engine, minutes on a small machine) overlaps training.
     serve_record = _start_serving(config, config_path, base_url, base_env)
+    # So does the webhook receiver: it starts, and MLflow's webhook cache expires, while training runs.
+    receiver = _start_receiver(config, config_path, base_env)
 
     with progress.stage("GRPO + LoRA training, tracked in MLflow") as stage:
         run_dir = config.data_path / "runs" / time.strftime("%Y%m%d-%H%M%S")
@@ -231,7 +233,7 @@ def run_demo(config: Config, *, fast: bool, terminal: Terminal, config_path: str
         if version is None:
             stage.note = "skipped: this run registered nothing that beat its base"
         else:
-            stage.note = _promote(config, config_path, model, version, base_env)
+            stage.note = _promote(config, model, version, receiver)
 
     with progress.stage("serving: Ray Serve LLM endpoint on vLLM (started beside training)") as stage:
         route = _manifest(config, model).aliases.get("production")
@@ -323,24 +325,37 @@ def lift_line(lift: dict, task_name: str) -> str:
             f"({gained:+d})")
 
 
-def _promote(config: Config, config_path: str | None, model: str, version: int, base_env: dict[str, str]) -> str:
+@dataclass
+class Receiver:
+    """The webhook receiver started for this run, and when MLflow's cached webhook list has it."""
+    record: processes.ProcessRecord
+    url: str
+    seen_after: float  # time.monotonic()
+
+
+def _start_receiver(config: Config, config_path: str | None, base_env: dict[str, str]) -> Receiver:
+    """(Re)start `rlops hooks serve` on this run's base and register its webhook; does not wait for it."""
+    from registry_hooks.subscriptions import register_webhook
+
+    secret = _hooks_secret(config)
+    processes.stop(config.data_path, "hooks")  # restart: it must check adapters against this run's base
+    record = _start_cli(config, "hooks", ["hooks", "serve"],
+                        _child_env(config, config_path, {**base_env, "RLOPS_HOOKS__SECRET": secret}))
+    register_webhook(config.model_copy(update={"hooks": config.hooks.model_copy(update={"secret": secret})}))
+    # the server caches its webhook list; a fresh one is seen after the TTL
+    return Receiver(record, f"http://{config.hooks.host}:{config.hooks.port}", time.monotonic() + WEBHOOK_CACHE_TTL_S)
+
+
+def _promote(config: Config, model: str, version: int, receiver: Receiver) -> str:
     """Staging through the webhook path (a plain MLflow client moves the alias), production via promote;
     the stage's line."""
     from mlflow import MlflowClient
 
     from registry_hooks.operations import promote
     from registry_hooks.sync import Refused
-    from registry_hooks.subscriptions import register_webhook
 
-    secret = _hooks_secret(config)
-    hooks_config = config.model_copy(update={"hooks": config.hooks.model_copy(update={"secret": secret})})
-    hooks_url = f"http://{config.hooks.host}:{config.hooks.port}"
-    processes.stop(config.data_path, "hooks")  # restart: it must check adapters against this run's base
-    record = _start_cli(config, "hooks", ["hooks", "serve"],
-                        _child_env(config, config_path, {**base_env, "RLOPS_HOOKS__SECRET": secret}))
-    processes.wait_healthy(record, lambda: stack.http_ok(f"{hooks_url}/healthz"), 60, "webhook receiver")
-    register_webhook(hooks_config)
-    time.sleep(WEBHOOK_CACHE_TTL_S)  # the server caches its webhook list; a fresh one is seen after the TTL
+    processes.wait_healthy(receiver.record, lambda: stack.http_ok(f"{receiver.url}/healthz"), 60, "webhook receiver")
+    time.sleep(max(0.0, receiver.seen_after - time.monotonic()))
     started = time.monotonic()
     MlflowClient(config.tracking_uri).set_registered_model_alias(model, "staging", str(version))
     processes.wait_healthy(None, lambda: _published_or_refused(config, model, "staging", version), 90,
