@@ -16,7 +16,9 @@ Two loads, each in paired rounds that alternate the sides so that machine noise 
 The result is refused when the steady rounds disagree (bench/ingress_overhead.py's bounds, for throughput and
 for p50). The copies are counted from the ingress's `rlops_serving_shadow_copies` metric: none is a failed run.
 Goal (issue 31): under steady load, throughput >= 0.95x the plain alias and p50 within +5%.
-figure = shadowed-alias answers/s under the steady load, baseline = plain alias.
+figure = shadowed-alias answers/s under the steady load, baseline = plain alias. With `--pin` (recorded as
+`shadow.py --pin`) Ray runs on one core and MLflow, S3 and the load generator on the other: the MLflow server's
+work per pair trace off the serving cores, as with the tracking server on its own machine in the cluster.
 
 Usage: python bench/shadow.py [--requests 1200] [--latency-requests 600] [--rounds 12] [--percent 20]
        [--load 0.5 | --rate R] [--steady-seconds 15] [--pin]
@@ -213,7 +215,7 @@ def main() -> None:
     for what, ratio in (("steady throughput", throughput), ("steady p50", p50)):
         if (why := ratio.disagreement()) is not None:
             sys.exit(f"not recorded: {what}: {why}; run it again on a quieter machine")
-    name = Path(__file__).name
+    name = Path(__file__).name + (" --pin" if args.pin else "")  # pinned: MLflow apart, another figure
     record(name, statistics.median(steady_rps["shadow"]), f"answers/s at a steady {rate:.1f} req/s (ratio = median "
            "of paired rounds)", statistics.median(steady_rps["plain"]), throughput.median,
            f">= 0.95x the plain alias's throughput under steady load ({load_share:.2f}x capacity) with a "
