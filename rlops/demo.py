@@ -207,8 +207,8 @@ def run_demo(config: Config, *, fast: bool, terminal: Terminal, config_path: str
         if fast:  # the plumbing check: greedy evals only (sampled pass@1 of the random-init base says nothing)
             updates["eval_samples"] = 0
         if serve_record is not None and local.torch_threads is None:
-            # The endpoint starts beside: a core of its own, or torch's threads wait at every op for the one
-            # it holds (GRPO took 251 s beside it against ~125 s alone; bench/README.md).
+            # The endpoint starts beside: a core of its own, else torch's threads wait at every op for the one
+            # it holds (bench/README.md, "The demo's GRPO stage beside the endpoint").
             updates["torch_threads"] = max(1, len(os.sched_getaffinity(0)) - 1)
         if updates:
             local = local.model_copy(update=updates)
