@@ -73,6 +73,19 @@ def test_a_5xx_outside_any_fault_a_missing_folder_and_a_slow_recovery_are_named_
                           "answer at 36.00 s: 502 '' with no fault under way"]
 
 
+def test_a_move_the_ingress_saw_just_before_s3_died_may_reach_the_watcher_after_it():
+    """The short soak's false alarm: a canary's promotion published v2 alone just before an S3 kill; the ingress
+    read it, the watcher (every 0.25 s) only once S3 was back. Outside a routes-blind fault the switch is named."""
+    events = [{"t": 0.0, "kind": "intent", "allowed": [1, 2], "generation": 1}, answer(1.0, "a", 1),
+              {"t": 14.07, "kind": "fault", "fault_id": 5, "fault": "s3_kill"}, answer(13.9, "a", 2),
+              {"t": 15.89, "kind": "intent", "allowed": [2], "generation": 2},
+              {"t": 16.15, "kind": "converged", "fault_id": 5, "fault": "s3_kill", "seconds": 2.1, "bound_s": 60.0}]
+    assert check(events, STALENESS_S)[0] == []
+    without_fault = [e for e in events if e.get("fault_id") != 5]
+    assert check(without_fault, STALENESS_S)[0] == [
+        "user a switched v1 -> v2 between 1.00 and 13.90 s without a move"]
+
+
 def test_while_the_ingress_cannot_read_s3_an_older_version_is_allowed_until_the_bound_after_it():
     events = clean() + [{"t": 19.0, "kind": "fault", "fault_id": 2, "fault": "s3_stop"},
                         {"t": 23.0, "kind": "converged", "fault_id": 2, "fault": "s3_stop", "seconds": 4.0, "bound_s": 60.0},
