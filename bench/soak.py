@@ -139,12 +139,12 @@ def check(events: list[dict], staleness_s: float, slack_s: float = 0.5) -> tuple
     faults = _windows(events)
     bound = staleness_s + slack_s
 
+    def blind_around(t: float) -> list[tuple[float, float]]:
+        """The routes-blind faults whose window (widened by the bound on both sides) holds `t`."""
+        return [(b0, b1) for b0, b1, _ in blind if b0 - bound <= t <= b1 + bound]
+
     def window(sent: float, received: float) -> tuple[float, float]:
-        start = sent - bound
-        for b0, b1, _ in blind:
-            if b0 - bound <= sent <= b1 + bound:
-                start = min(start, b0 - bound)
-        return start, received + slack_s
+        return min([sent - bound] + [b0 - bound for b0, _ in blind_around(sent)]), received + slack_s
 
     def allowed(start: float, end: float) -> set:
         return set().union(*[a for seen, until, a in intents if seen <= end and until >= start]) if intents else set()
@@ -152,10 +152,7 @@ def check(events: list[dict], staleness_s: float, slack_s: float = 0.5) -> tuple
     def watched_until(end: float) -> float:
         # A move published just before a routes-blind fault can reach the ingress and not the watcher, which
         # sees it once S3 is back: until the fault's end (and the bound), a switch may wait for its intent.
-        for b0, b1, _ in blind:
-            if b0 - bound <= end <= b1 + bound:
-                end = max(end, b1 + bound)
-        return end
+        return max([end] + [b1 + bound for _, b1 in blind_around(end)])
 
     def intent_changed(start: float, end: float) -> bool:
         return any(start <= seen <= end for seen, _, _ in intents[1:])
