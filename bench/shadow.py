@@ -159,6 +159,8 @@ def main() -> None:
                         "whose measured capacities differ then load the sides alike")
     parser.add_argument("--steady-seconds", type=float, default=15.0, help="seconds of each steady round")
     args = parser.parse_args()
+    if args.load <= 0 or args.rate is not None and args.rate <= 0:
+        parser.error("--load and --rate must be above 0")
 
     from ray import serve
     from ray.serve.llm import build_openai_app
