@@ -19,6 +19,7 @@ from collections import defaultdict
 
 from ray import serve
 from ray.llm._internal.serve.constants import RAYLLM_VLLM_ENGINE_CLS_ENV
+from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, ErrorResponse
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 
 from serving.engine_start import OneProcessVLLMEngine
@@ -45,9 +46,28 @@ class PreloadingLLMServer(LLMServer):
 
     async def start(self):
         await super().start()
+        await self._warm_up()
         settings = self._llm_config.experimental_configs.get(PRELOAD_KEY)
         if settings is not None and self._llm_config.lora_config is not None:
             self._preload_task = asyncio.create_task(self._follow_routes(RoutesSettings.model_validate(settings)))
+
+    async def _warm_up(self) -> None:
+        """One 1-token chat for the base before the replica takes traffic: an engine's first request costs
+        seconds more than the next (chat rendering and the first forward set themselves up; bench/README.md),
+        and the first client after every replica start, a promotion's readiness check included, paid it. A
+        failed warm-up is logged, not fatal: the engine answers what it can."""
+        started = time.monotonic()
+        request = ChatCompletionRequest(model=self._llm_config.model_id, max_tokens=1,
+                                        messages=[{"role": "user", "content": "warm-up"}])
+        try:
+            answers = [answer async for answer in await self.chat(request)]
+        except Exception as exc:  # noqa: BLE001 - a client's request will say what is wrong
+            answers = [exc]
+        failed = [a for a in answers if isinstance(a, (Exception, ErrorResponse))]
+        if failed:
+            log.warning("warm-up: the engine's first chat failed: %s", type(failed[0]).__name__)
+            return
+        log.info(json.dumps({"event": "engine_warmed_up", "seconds": round(time.monotonic() - started, 3)}))
 
     async def _maybe_resolve_lora_from_multiplex(self) -> None:
         model_id = serve.get_multiplexed_model_id()

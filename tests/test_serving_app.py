@@ -320,6 +320,20 @@ def test_the_engine_starts_without_processes_that_only_import_vllm(served: Serve
     assert "initialize_remote_node" not in this_start and "download model files" not in this_start
 
 
+def test_the_engine_is_warmed_up_before_the_replica_takes_traffic(served: ServedApp):
+    """serving.preload: an engine's first chat costs seconds of set-up that the first client after a replica
+    start paid (the demo's readiness check, a promotion's first user). The replica pays it in its start, so the
+    first client request (the fixture's readiness ping) answers like the later ones."""
+    replica_logs = [p.read_text(errors="replace") for p in
+                    Path("/tmp/ray/session_latest/logs/serve").glob("replica_rlops_PreloadingLLMServer*.log")]
+    assert replica_logs
+    for text in replica_logs:
+        warmed = [json.loads(line[line.index("{"):]) for line in text.splitlines() if '"engine_warmed_up"' in line]
+        calls_ms = [float(ms) for ms in re.findall(r"CALL chat OK ([\d.]+)ms", text)]
+        assert warmed and calls_ms, text[-2000:]
+        assert calls_ms[0] < 1000 * warmed[0]["seconds"] / 2, (warmed, calls_ms[:5])
+
+
 def test_models_lists_served_aliases_with_versions(served: ServedApp):
     client = served.openai()
     cards = {m.id: m for m in client.models.list().data}
