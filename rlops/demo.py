@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -152,6 +153,22 @@ def _endpoint_ready(base_url: str, wanted: str, version: int | None, api_key: st
     return httpx.post(f"{base_url}/chat/completions", json=body, headers=headers, timeout=5).status_code == 200
 
 
+def _watch_endpoint(base_url: str, model: str, api_key: str | None, answers: threading.Event,
+                    done: threading.Event) -> None:
+    """Sets `answers` once the endpoint answers `model` (polled every 2 s in a thread of its own), unless
+    `done` is set first."""
+    def watch() -> None:
+        while not done.wait(2.0):
+            try:
+                if _endpoint_ready(base_url, model, None, api_key):
+                    answers.set()
+                    return
+            except httpx.HTTPError:
+                continue
+
+    threading.Thread(target=watch, name="rlops-demo-endpoint-watch", daemon=True).start()
+
+
 def for_task(config: Config, name: str) -> tuple[Config, dict[str, str]]:
     """`rlops demo --task NAME`: the config on another task (its default options), with its own experiment
     and registered model (`<name>-grpo`), and the same as env overrides for the stages' processes."""
@@ -204,17 +221,23 @@ def run_demo(config: Config, *, fast: bool, terminal: Terminal, config_path: str
         run_dir = config.data_path / "runs" / time.strftime("%Y%m%d-%H%M%S")
         local = config.training.local
         updates = {}
+        endpoint_answers, training_done = threading.Event(), threading.Event()
         if fast:  # the plumbing check: greedy evals only (sampled pass@1 of the random-init base says nothing)
             updates["eval_samples"] = 0
         if serve_record is not None and local.torch_threads is None:
-            # The endpoint starts beside: a core of its own, else torch's threads wait at every op for the one
-            # it holds (bench/README.md, "The demo's GRPO stage beside the endpoint").
+            # The endpoint starts beside: a core of its own until it answers, else torch's threads wait at
+            # every op for the one it holds (bench/README.md, "The demo's GRPO stage beside the endpoint").
             updates["torch_threads"] = max(1, len(os.sched_getaffinity(0)) - 1)
+            _watch_endpoint(base_url, config.serving.base_model_id, api_key, endpoint_answers, training_done)
         if updates:
             local = local.model_copy(update=updates)
             config = config.model_copy(update={"training": config.training.model_copy(update={"local": local})})
-        result = local_trainer.train(config, run_dir, fast=fast, steps=FAST_STEPS if fast else None,
-                                     log=stage.detail, report=lambda p: stage.live(p.line()))
+        try:
+            result = local_trainer.train(config, run_dir, fast=fast, steps=FAST_STEPS if fast else None,
+                                         log=stage.detail, report=lambda p: stage.live(p.line()),
+                                         threads_back=endpoint_answers if "torch_threads" in updates else None)
+        finally:
+            training_done.set()
         summary.run_id, summary.version = result.run_id, result.registered_version
         summary.pass_rate_before, summary.pass_rate_after = result.before, result.after
         summary.registration_refused, summary.registration_evidence = (result.registration_refused,

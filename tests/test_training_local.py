@@ -3,6 +3,7 @@ tiny random-init model whose metrics, checkpoints, eval and registration land in
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -123,6 +124,24 @@ def test_torch_threads_hold_inside_the_training_and_come_back_after_it(tmp_path,
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match="training.local.torch_threads: .*greater than or equal to 1"):
         load_config(None, environ={"RLOPS_TRAINING__LOCAL__TORCH_THREADS": "0"})
+
+
+def test_threads_held_apart_come_back_at_the_step_after_the_release(test_config, tmp_path):
+    """The demo holds a core apart while its endpoint starts (`torch_threads`), and gives it back to training
+    once the endpoint answers (`threads_back`): from the next step on, torch runs on its own count again."""
+    config = _tiny_local(test_config)
+    config.training.local.torch_threads = 1
+    before, released, threads_seen, lines = torch.get_num_threads(), threading.Event(), {}, []
+
+    def report(progress) -> None:  # on the training thread: the step-0 eval, then after each logged step
+        threads_seen[progress.step] = torch.get_num_threads()
+        if progress.step == 1:
+            released.set()
+
+    train(config, tmp_path / "run", steps=3, budget_s=600, fast=True, log=lines.append, report=report,
+          threads_back=released)
+    assert threads_seen == {0: 1, 1: 1, 2: before, 3: before}
+    assert "step 1: torch back on" in "\n".join(lines) and torch.get_num_threads() == before
 
 
 def test_too_large_base_is_refused_before_loading():

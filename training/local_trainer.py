@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import statistics
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -163,6 +164,21 @@ class FixedEvalCallback(TrainerCallback):
 
     def on_save(self, args, state, control, model=None, **kwargs):
         self._eval(model, state.global_step)
+
+
+class ThreadsBackCallback(TrainerCallback):
+    """Gives torch `threads` back at the first step begun once `released` is set: the core that
+    `training.local.torch_threads` left to a process starting beside training idles once that one is up."""
+
+    def __init__(self, released: threading.Event, threads: int, log: Callable[[str], None]):
+        self.released, self.threads, self.log = released, threads, log
+        self.done = False
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.done and self.released.is_set():
+            torch.set_num_threads(self.threads)  # per thread in OpenMP: here, in the thread that trains
+            self.done = True
+            self.log(f"step {state.global_step}: torch back on {self.threads} threads")
 
 
 def group_rows(task: Task, items: list[TaskItem], completions: list[str], rewards: list[float],
@@ -352,14 +368,16 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
           fast: bool = False, resume: bool | None = None, run_name: str | None = None,
           log: Callable[[str], None] = print,
           report: Callable[[TrainProgress], None] = lambda progress: None,
-          prompts: PromptSet | None = None, prompts_share: float = 0.5) -> TrainResult:
+          prompts: PromptSet | None = None, prompts_share: float = 0.5,
+          threads_back: threading.Event | None = None) -> TrainResult:
     """Run SFT (cached) if needed, GRPO + LoRA with the tracker, eval on the fixed set after each
     checkpoint, and register the best checkpoint (alias `candidate`). `fast` skips SFT and uses the
     random-init tiny base (tests) and registers without comparing with that base. Returns the curve and the
     before/after pass rates; a best checkpoint that did not beat the step-0 eval registers nothing
     (`registration_refused` says why). `report` hears each step's reward and each eval (a live line).
     `prompts` (a set exported from production traces) makes `prompts_share` of the GRPO prompts; it is
-    one of the run's dataset inputs.
+    one of the run's dataset inputs. With `training.local.torch_threads` set, `threads_back` (once set) gives
+    torch its own thread count back at the next step.
 
     A run dir whose run did not finish continues it: the trainer resumes from its latest checkpoint
     (weights, optimizer, scheduler, RNG, global step) and the MLflow run continues after its last step.
@@ -436,6 +454,8 @@ def train(config: Config, run_dir: Path, *, budget_s: float | None = None, steps
         live = ProgressReport(report, steps)
         callbacks = [TrackerCallback(session), budget, groups, live,
                      FixedEvalCallback(score, record, already_scored=scored_steps.__contains__)]
+        if threads_back is not None and local.torch_threads is not None:
+            callbacks.append(ThreadsBackCallback(threads_back, torch.get_num_threads(), log))
         trainer = grpo_trainer(config, task, base, run_dir, steps, callbacks, processor, train_items, groups.observe)
         started = time.monotonic()
         with torch_threads(local.torch_threads):
