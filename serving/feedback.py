@@ -38,6 +38,7 @@ FEEDBACK_NAME = "user_feedback"
 MAX_BODY_BYTES = 16 * 1024
 RESPONSE_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")  # goes into a search filter: nothing else passes
 EXPERIMENTS_TTL_S = 60.0
+EXPERIMENTS_RECHECK_S = 1.0  # the soonest a miss reads the experiments again: bogus ids cannot load MLflow
 
 
 class FeedbackSettings(BaseModel):
@@ -131,9 +132,10 @@ class FeedbackIngress:
 
     def _attach(self, body: FeedbackBody, scope, source: str) -> str:
         try:
-            found = self._client.search_traces(locations=self._trace_experiments(), max_results=1, include_spans=False,
-                                               filter_string=f"trace.client_request_id = '{body.id}'")
-            trace = found[0] if found else None
+            trace = self._find(body.id, self._trace_experiments())
+            if trace is None and time.monotonic() - self._experiments[0] >= EXPERIMENTS_RECHECK_S:
+                # an experiment created since the list was read (the base's, at its first traced answer)
+                trace = self._find(body.id, self._trace_experiments(refresh=True))
             if trace is None or not self._may_see(trace, scope):
                 raise ClientError(404, f"No recorded answer {body.id!r}: it was not sampled for tracing, is not "
                                   "written yet (retry in a few seconds), or this key may not see it.",
@@ -156,9 +158,14 @@ class FeedbackIngress:
             return False
         return scope.may_call(ref)
 
-    def _trace_experiments(self) -> list[str]:
-        at, ids = self._experiments  # cached a minute: a new version's experiment is found within it
-        if not ids or time.monotonic() - at >= EXPERIMENTS_TTL_S:
+    def _find(self, answer_id: str, experiments: list[str]):
+        found = self._client.search_traces(locations=experiments, max_results=1, include_spans=False,
+                                           filter_string=f"trace.client_request_id = '{answer_id}'")
+        return found[0] if found else None
+
+    def _trace_experiments(self, refresh: bool = False) -> list[str]:
+        at, ids = self._experiments  # cached a minute, or re-read on a miss (at most every EXPERIMENTS_RECHECK_S)
+        if refresh or not ids or time.monotonic() - at >= EXPERIMENTS_TTL_S:
             ids = sorted(trace_experiments(self._client, self.settings.models, self.settings.base_experiment))
             self._experiments = (time.monotonic(), ids)
         return ids
