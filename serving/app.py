@@ -230,11 +230,15 @@ def run(config: Config, environ: Mapping[str, str], *, blocking: bool = True,
         proxy_location = None  # Serve's default
     app = build_app(config)
     serve.start(http_options={"host": serving.host, "port": serving.port}, proxy_location=proxy_location)
-    serve.run(app, name=APP_NAME, route_prefix="/")  # returns once the app's deployments are running
+    apps = [serve.RunTarget(app, name=APP_NAME, route_prefix="/")]
     if serving.traces.sample_rate > 0:
         from serving.feedback import build
 
-        serve.run(build({"settings": feedback_settings(config)}), name=FEEDBACK_APP, route_prefix=FEEDBACK_ROUTE)
+        apps.append(serve.RunTarget(build({"settings": feedback_settings(config)}), name=FEEDBACK_APP,
+                                    route_prefix=FEEDBACK_ROUTE))
+    # At once, not one after the other: the feedback replica starts while the engine loads, so the endpoint is
+    # whole when its chat first answers (the demo gives training its held-apart core back then).
+    serve.run_many(apps)  # returns once every app's deployments are running
     if on_ready is not None:
         on_ready()
     if blocking:

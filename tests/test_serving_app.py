@@ -324,10 +324,13 @@ def test_the_engine_is_warmed_up_before_the_replica_takes_traffic(served: Served
     """serving.preload: an engine's first chat costs seconds of set-up that the first client after a replica
     start paid (the demo's readiness check, a promotion's first user). The replica pays it in its start, so the
     first client request (the fixture's readiness ping) answers like the later ones."""
-    replica_logs = [p.read_text(errors="replace") for p in
-                    Path("/tmp/ray/session_latest/logs/serve").glob("replica_rlops_PreloadingLLMServer*.log")]
-    assert replica_logs
-    for text in replica_logs:
+    def replica_logs() -> list[str]:
+        return [p.read_text(errors="replace") for p in
+                Path("/tmp/ray/session_latest/logs/serve").glob("replica_rlops_PreloadingLLMServer*.log")]
+
+    # a request's access line is written after its answer went out
+    assert wait_until(lambda: replica_logs() and all("CALL chat OK" in text for text in replica_logs()), 30)
+    for text in replica_logs():
         warmed = [json.loads(line[line.index("{"):]) for line in text.splitlines() if '"engine_warmed_up"' in line]
         calls_ms = [float(ms) for ms in re.findall(r"CALL chat OK ([\d.]+)ms", text)]
         assert warmed and calls_ms, text[-2000:]
@@ -596,9 +599,11 @@ def test_a_client_scores_its_own_answer_and_the_trace_carries_it_as_human_feedba
     base = served.openai().chat.completions.create(model=served.base, messages=chat_messages(False), max_tokens=2)
     assert wait_until(lambda: traces_of(served, f"trace.client_request_id = '{base.id}'",
                                         served.config.serving.traces.experiment), 60)
+    # the base's trace experiment may be newer than the service's list of them: a miss reads it again (1 s apart)
+    assert wait_until(lambda: httpx.post(url, json={"id": base.id, "score": 1}, headers=served.headers(),
+                                         timeout=30).status_code == 200, 10)
     r = httpx.post(url, json={"id": base.id, "score": 1}, headers={"authorization": f"Bearer {TEAM_KEY}"}, timeout=30)
     assert r.status_code == 404 and assert_openai_error(r)["code"] == "answer_not_found"
-    assert httpx.post(url, json={"id": base.id, "score": 1}, headers=served.headers(), timeout=30).status_code == 200
 
 
 def test_a_frozen_mlflow_fails_no_request_counts_what_it_drops_and_recording_resumes(served: ServedApp, stack,
