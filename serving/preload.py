@@ -44,6 +44,14 @@ class PreloadingLLMServer(LLMServer):
         self._preloaded: set[str] = set()
         self._preload_task: asyncio.Task | None = None
 
+    async def _start_engine(self):
+        """Ray's, less its usage-telemetry report: that starts a `TelemetryAgent` actor, a worker process of its
+        own that held each replica's start ~4 s here, to record usage tags for Ray's usage stats, which an
+        rlops endpoint does not send anywhere."""
+        if self.engine is None:
+            raise ValueError("Engine is not set")
+        await self.engine.start()
+
     async def start(self):
         await super().start()
         await self._warm_up()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import yaml
 
@@ -318,6 +319,14 @@ def test_the_engine_starts_without_processes_that_only_import_vllm(served: Serve
     assert "Started vLLM engine" in this_start
     assert "UniProcExecutor" in this_start and "MultiprocExecutor" not in this_start
     assert "initialize_remote_node" not in this_start and "download model files" not in this_start
+    # nor Ray's usage-telemetry actor (serving.preload): a process per cluster for stats nobody is sent
+    def command(process: psutil.Process) -> str:
+        with contextlib.suppress(psutil.Error):
+            return " ".join(process.cmdline())
+        return ""
+
+    serve = processes.read_record(served.config.data_path, "serve").process()
+    assert not any("TelemetryAgent" in command(p) for p in serve.children(recursive=True))
 
 
 def test_the_engine_is_warmed_up_before_the_replica_takes_traffic(served: ServedApp):
