@@ -382,23 +382,27 @@ def up(config: Config, timeout_s: float = 60.0) -> list[PartStatus]:
     """Start the managed parts that are not running yet, wait until healthy; on failure stop what was started."""
     config.data_path.mkdir(parents=True, exist_ok=True)
     started: list[str] = []
+    s3_record = mlflow_record = None
     try:
         if config.storage.managed and not _running(config, S3):
             host, port = _endpoint_host_port(config)
             _check_port_free(host, port, "storage.endpoint_url")
             ensure_s3_credentials(config)
-            record = processes.start(config.data_path, S3, s3_argv(config), s3_env(config),
-                                     urls={"endpoint": config.storage.endpoint_url or ""})
+            s3_record = processes.start(config.data_path, S3, s3_argv(config), s3_env(config),
+                                        urls={"endpoint": config.storage.endpoint_url or ""})
             started.append(S3)
-            processes.wait_healthy(record, lambda: s3_healthy(config), timeout_s)
-        if config.storage.managed or s3_healthy(config):
-            ensure_bucket(config)
+        # MLflow starts beside S3, not after it: it reaches S3 only when an artifact moves (~2 s of `up`)
         if config.server.managed and not _running(config, MLFLOW):
             _check_port_free(config.server.host, config.server.port, "server.port")
-            record = processes.start(config.data_path, MLFLOW, mlflow_argv(config), mlflow_env(config),
-                                     urls={"ui": config.tracking_uri}, cwd=config.data_path)
+            mlflow_record = processes.start(config.data_path, MLFLOW, mlflow_argv(config), mlflow_env(config),
+                                            urls={"ui": config.tracking_uri}, cwd=config.data_path)
             started.append(MLFLOW)
-            processes.wait_healthy(record, lambda: mlflow_healthy(config.tracking_uri), timeout_s)
+        if s3_record is not None:
+            processes.wait_healthy(s3_record, lambda: s3_healthy(config), timeout_s)
+        if config.storage.managed or s3_healthy(config):
+            ensure_bucket(config)
+        if mlflow_record is not None:
+            processes.wait_healthy(mlflow_record, lambda: mlflow_healthy(config.tracking_uri), timeout_s)
         if config.ray.nodes:
             _start_ray(config, started, timeout_s)
     except (processes.ProcessError, StackError, BotoCoreError, ClientError, OSError) as exc:
