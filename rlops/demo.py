@@ -14,6 +14,7 @@ import secrets
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -269,42 +270,51 @@ def run_demo(config: Config, *, fast: bool, terminal: Terminal, config_path: str
         stage.note = (f"{base_url} lists {wanted}" + (f" at v{production}" if production else " (no production version)")
                       + f", ready after {waited:.1f} s (log: {processes.log_path(config.data_path, 'serve')})")
 
-    with progress.stage("parity: the served answers against the tracked eval (promote verify)") as stage:
-        from registry_hooks.parity import verify_served
+    chat = ChatClient(base_url, api_key)
+    lift_source = task.eval_sets()[0]
+    # The base answers the lift's items while parity asks production the same ones: one batch for the engine.
+    asking = ThreadPoolExecutor(1, thread_name_prefix="rlops-demo-base")
+    base_asked = asking.submit(chat.answers, config.serving.base_model_id, task.eval_items(lift_source),
+                               task.answer_length)
+    try:
+        with progress.stage("parity: the served answers against the tracked eval (promote verify)") as stage:
+            from registry_hooks.parity import verify_served
 
-        if production is None:
-            stage.note = "skipped: no production version"
-        else:
-            report = verify_served(config, model, alias="production", version=None, api_key=api_key,
-                                   endpoint=base_url.removesuffix("/v1"))
-            summary.parity = report.to_dict()
-            stage.note = (f"{report.served_name} (v{report.version}): served {report.served:.4f} vs tracked "
-                          f"{report.tracked:.4f} on {report.data_source}; {report.matching}/{report.items} items agree")
+            if production is None:
+                stage.note = "skipped: no production version"
+            else:
+                report = verify_served(config, model, alias="production", version=None, api_key=api_key,
+                                       endpoint=base_url.removesuffix("/v1"))
+                summary.parity = report.to_dict()
+                stage.note = (f"{report.served_name} (v{report.version}): served {report.served:.4f} vs tracked "
+                              f"{report.tracked:.4f} on {report.data_source}; {report.matching}/{report.items} items agree")
 
-    with progress.stage("lift: the base and production on the same eval items, through the endpoint") as stage:
-        data_source = summary.parity["data_source"] if summary.parity else task.eval_sets()[0]
-        items = task.eval_items(data_source)
-        chat = ChatClient(base_url, api_key)
-        base_answers = chat.answers(config.serving.base_model_id, items, task.answer_length)
-        summary.lift = lift_counts(task, data_source, items, base_answers, summary.parity)
-        stage.note = lift_line(summary.lift, task.name)
-        if production is not None:
-            shown = items[:PICTURE_ITEMS]
-            answers = {"base": base_answers, "production": chat.answers(wanted, shown, task.answer_length)}
-            summary.picture = str(_picture(config, task, result, summary.lift, shown, answers))
-            stage.note += f"; picture: {summary.picture} (and in the run's artifacts)"
-        # one request through the official openai client: what a production client sees
-        from openai import OpenAI
+        with progress.stage("lift: the base and production on the same eval items, through the endpoint") as stage:
+            data_source = summary.parity["data_source"] if summary.parity else lift_source
+            items = task.eval_items(data_source)
+            base_answers = (base_asked.result() if data_source == lift_source
+                            else chat.answers(config.serving.base_model_id, items, task.answer_length))
+            summary.lift = lift_counts(task, data_source, items, base_answers, summary.parity)
+            stage.note = lift_line(summary.lift, task.name)
+            if production is not None:
+                shown = items[:PICTURE_ITEMS]
+                answers = {"base": base_answers, "production": chat.answers(wanted, shown, task.answer_length)}
+                summary.picture = str(_picture(config, task, result, summary.lift, shown, answers))
+                stage.note += f"; picture: {summary.picture} (and in the run's artifacts)"
+            # one request through the official openai client: what a production client sees
+            from openai import OpenAI
 
-        item = task.eval_items(summary.lift["data_source"])[0]
-        client = OpenAI(base_url=base_url, api_key=api_key or "none")
-        raw = client.chat.completions.with_raw_response.create(
-            model=wanted, temperature=0, max_tokens=task.answer_length, messages=item.messages())
-        summary.answer = raw.parse().choices[0].message.content or ""
-        summary.served_version = raw.headers.get("x-rlops-model-version")
-        summary.passed = task.score(item, summary.answer).passed
-        stage.detail(f"openai client: {wanted} (x-rlops-model-version: {summary.served_version}) answered "
-                     f"{summary.answer!r} to {task.name} item {item.id}: {'passes' if summary.passed else 'fails'}")
+            item = task.eval_items(summary.lift["data_source"])[0]
+            client = OpenAI(base_url=base_url, api_key=api_key or "none")
+            raw = client.chat.completions.with_raw_response.create(
+                model=wanted, temperature=0, max_tokens=task.answer_length, messages=item.messages())
+            summary.answer = raw.parse().choices[0].message.content or ""
+            summary.served_version = raw.headers.get("x-rlops-model-version")
+            summary.passed = task.score(item, summary.answer).passed
+            stage.detail(f"openai client: {wanted} (x-rlops-model-version: {summary.served_version}) answered "
+                         f"{summary.answer!r} to {task.name} item {item.id}: {'passes' if summary.passed else 'fails'}")
+    finally:
+        asking.shutdown(wait=False, cancel_futures=True)
     return summary
 
 
