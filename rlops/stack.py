@@ -391,7 +391,7 @@ def up(config: Config, timeout_s: float = 60.0) -> list[PartStatus]:
             s3_record = processes.start(config.data_path, S3, s3_argv(config), s3_env(config),
                                         urls={"endpoint": config.storage.endpoint_url or ""})
             started.append(S3)
-        # MLflow starts beside S3, not after it: it reaches S3 only when an artifact moves (~2 s of `up`)
+        # MLflow starts beside S3, not after it: it reaches S3 only when an artifact moves (~1 s of `up` here)
         if config.server.managed and not _running(config, MLFLOW):
             _check_port_free(config.server.host, config.server.port, "server.port")
             mlflow_record = processes.start(config.data_path, MLFLOW, mlflow_argv(config), mlflow_env(config),
