@@ -22,6 +22,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import psutil
@@ -1056,7 +1057,7 @@ def test_canary_splits_by_weight_sticky_per_client_and_flips_without_5xx(served:
 
 
 def test_watcher_aborts_a_failing_canary_within_the_window(served: ServedApp, stack):
-    """v3's folder loses its weights after it is published as a 50% canary (a fault of that version only): the
+    """v3's folder loses its weights as it is published as a 50% canary (a fault of that version only): the
     SLO watcher sees its errors against the baseline's, aborts it through the registry, tags the version, and
     records it in the history; no client of the baseline gets an error, and canary clients get v1 again."""
     from registry_hooks import operations, storage
@@ -1070,10 +1071,19 @@ def test_watcher_aborts_a_failing_canary_within_the_window(served: ServedApp, st
     config = served.config.model_copy(deep=True)
     config.registry.canary.slo = CanarySLO(window_s=20, min_requests=10, max_error_rate_increase=0.2, max_p95_ratio=1000,
                                            metrics_url=f"http://127.0.0.1:{served.config.serving.metrics_port}/metrics")
-    with served.lock:
-        operations.canary(config, served.model, version=v3, weight=50, trigger="test", actor="tester", reason="try v3")
     location = parse_s3_uri(config.lora_path)
-    stack.s3().delete_object(Bucket=location.bucket, Key=location.key(version_folder(served.model, v3), "adapter_model.safetensors"))
+    publish = storage.write_manifest
+
+    def break_v3_then_publish(client, where, manifest, etag):
+        # The fault lands with the publish: deleted after canary() returned, a replica could (and once did)
+        # preload v3's folder in the time canary() spends tagging versions after its publish.
+        if any(route.version == v3 for route in manifest.canaries.values()):
+            stack.s3().delete_object(Bucket=location.bucket,
+                                     Key=location.key(version_folder(served.model, v3), "adapter_model.safetensors"))
+        return publish(client, where, manifest, etag)
+
+    with served.lock, mock.patch.object(storage, "write_manifest", break_v3_then_publish):
+        operations.canary(config, served.model, version=v3, weight=50, trigger="test", actor="tester", reason="try v3")
     operations.wait_served(served.url, served.name("@production"), v3, canary=True, timeout_s=30, api_key=API_KEY)
 
     users = [f"rb-{i}" for i in range(40)]
