@@ -95,10 +95,12 @@ def test_distinct_rows_give_the_processors_own_batch(setup):
     images = [[pil_image(it)] for it in items] * 2
     conversations = [[{"role": "user", "content": [{"type": "image", "image": image[0]}, {"type": "text", "text": it.text}]}]
                      for image, it in zip(images, items * 2)]
+    rendered = processor.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
     calls = {  # TRL's two calls per step: tensors for the loss, the chat template's lists for generation
         "tensors": lambda: processor(text=texts, images=images, padding=True, return_tensors="pt"),
         "lists": lambda: processor.apply_chat_template(conversation=conversations, add_generation_prompt=True,
                                                        tokenize=True, return_dict=True),
+        "tensors of the lists' rows": lambda: processor(text=rendered, images=images, padding=True, return_tensors="pt"),
         "all distinct": lambda: processor(text=texts[:6], images=images[:6], padding=True, return_tensors="pt"),
         "text only": lambda: processor(text=[it.text for it in items] * 2, padding=True, return_tensors="pt"),
         "positional": lambda: processor(images, texts, padding=True, return_tensors="pt"),
@@ -111,7 +113,8 @@ def test_distinct_rows_give_the_processors_own_batch(setup):
         split = {name: call() for name, call in calls.items()}
     finally:
         rows.detach()
-    assert (rows.rows, rows.processed) == (24, 12), "the two calls with repeats each processed their 6 distinct rows"
+    assert (rows.rows, rows.processed) == (36, 12), ("the three calls with repeats processed their 6 distinct rows "
+                                                     "each, but the same rows asked again were not processed again")
     for name in calls:
         assert list(split[name]) == list(plain[name]), name
         for key, value in plain[name].items():

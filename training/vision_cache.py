@@ -141,24 +141,30 @@ class DistinctRows(_DuringSteps):
     """Processes each distinct (text, image objects) row of a processor call once and assembles the batch from
     them: the tensors and lists the processor itself answers (padding depends only on the longest row, which
     is among the distinct ones). Images are told apart by identity, which is safe within one call (all are
-    alive) and what GRPO's repeats of a `shared` image have. Calls it cannot split that way (other inputs or
-    outputs, no repeats) go through as they are. Attached inside training steps only, by swapping the
-    processor's class: `processor(...)` looks `__call__` up on the class."""
+    alive) and what GRPO's repeats of a `shared` image have. TRL asks for a step's rows twice (the chat
+    template's lists for generation, padded tensors for the loss): the distinct rows are processed once, as
+    padded tensors, and kept for the step; the lists are those rows without their padding. Calls it cannot
+    split that way (other inputs or outputs, no repeats) go through as they are. Attached inside training
+    steps only, by swapping the processor's class: `processor(...)` looks `__call__` up on the class."""
 
     ROW_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids"})
     IMAGE_KEYS = frozenset({"pixel_values", "image_grid_thw"})
+    # the answers it assembles, by (return_tensors, padding) asked: unpadded lists, or tensors padded to the longest
+    FORMS = {(None, False): "lists", (None, "do_not_pad"): "lists", ("pt", True): "tensors", ("pt", "longest"): "tensors"}
 
     def __init__(self, processor):
         self.processor, self.stock = processor, type(processor)
         self.deduplicating = type(self.stock.__name__, (self.stock,), {
             "__call__": lambda processor, *args, **kwargs: self._call(processor, *args, **kwargs)})
         self.rows = self.processed = 0
+        self.last: tuple | None = None  # (key, the rows' images, their padded tensors): the step's distinct rows
 
     def attach(self) -> None:
         self.processor.__class__ = self.deduplicating
 
     def detach(self) -> None:
         self.processor.__class__ = self.stock
+        self.last = None
 
     def _call(self, processor, *args, **kwargs):
         stock = self.stock.__call__
@@ -168,24 +174,26 @@ class DistinctRows(_DuringSteps):
                 or not all(isinstance(t, str) for t in text)
                 or not all(isinstance(row, list) and all(isinstance(i, Image.Image) for i in row) for row in images)):
             return stock(processor, *args, **kwargs)
+        form = self.FORMS.get((kwargs.get("return_tensors"), kwargs.get("padding", False)))
         keys = [(t, tuple(map(id, row))) for t, row in zip(text, images)]
         firsts: dict[tuple, int] = {}
         for i, key in enumerate(keys):
             firsts.setdefault(key, i)
-        if len(firsts) == len(keys):
+        if form is None or len(firsts) == len(keys):
             return stock(processor, **kwargs)
         distinct = list(firsts.values())
-        rows = {"images": [images[i] for i in distinct], "text": [text[i] for i in distinct]}
-        out = stock(processor, **kwargs | rows)
-        if not set(out) <= self.ROW_KEYS | self.IMAGE_KEYS or ("pixel_values" in out) != ("image_grid_thw" in out):
+        settings = {k: v for k, v in kwargs.items() if k not in ("images", "text", "videos", "audio", "return_tensors", "padding")}
+        out = self._padded(processor, [text[i] for i in distinct], [images[i] for i in distinct], settings)
+        if (not set(out) <= self.ROW_KEYS | self.IMAGE_KEYS or ("pixel_values" in out) != ("image_grid_thw" in out)
+                or "attention_mask" not in out):
             return stock(processor, **kwargs)
         self.rows += len(keys)
-        self.processed += len(distinct)
         slot = {key: j for j, key in enumerate(firsts)}
         order = [slot[key] for key in keys]  # each row's distinct row
         counts = [len(images[i]) for i in distinct]
         starts = [sum(counts[:j]) for j in range(len(counts))]
         picked = [starts[j] + k for j in order for k in range(counts[j])]  # image indices in batch order
+        unpadded = out["attention_mask"].bool()
         data = {}
         for name, value in out.items():
             if name == "pixel_values":
@@ -193,11 +201,22 @@ class DistinctRows(_DuringSteps):
                 data[name] = torch.cat([pixels[i] for i in picked])
             elif name == "image_grid_thw":
                 data[name] = value[torch.tensor(picked)]
-            elif isinstance(value, torch.Tensor):
+            elif form == "tensors":
                 data[name] = value[torch.tensor(order)]
             else:
-                data[name] = [value[j] for j in order]
+                rows = [row[mask].tolist() for row, mask in zip(value, unpadded)]
+                data[name] = [rows[j] for j in order]
         return BatchFeature(data)
+
+    def _padded(self, processor, text: list[str], images: list[list], settings: dict) -> BatchFeature:
+        """The stock processor's padded tensors for these rows, kept until the next rows or the step's end
+        (the images kept with them, so their ids stay theirs)."""
+        key = (text, [tuple(map(id, row)) for row in images], repr(sorted(settings.items())))
+        if self.last is None or self.last[0] != key:
+            out = self.stock.__call__(processor, text=text, images=images, padding=True, return_tensors="pt", **settings)
+            self.processed += len(text)
+            self.last = (key, images, out)
+        return self.last[2]
 
 
 def _take(entries: OrderedDict, keys: list, max_entries: int) -> list:
