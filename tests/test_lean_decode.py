@@ -1,6 +1,7 @@
 """The local trainer's decode loop outside HF `generate` gives HF's own tokens: greedy and sampled (same RNG),
 with LoRA adapters on or off, left-padded rows and GRPO's repeated prompts; a setting it does not implement
-goes to HF's `generate`. The preprocessing caches give the processor's own answer."""
+goes to HF's `generate`. Its loss forward gives TRL's fused head's log-probs, entropies and LoRA gradients.
+The preprocessing caches give the processor's own answer."""
 from __future__ import annotations
 
 import subprocess
@@ -11,10 +12,12 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForImageTextToText, AutoProcessor
+from trl.trainer.utils import add_fused_lm_head
 
 from tasks.maze import MazeTask
 from training.evaluation import pil_image, prompt_messages
 from training.lean_decode import LeanDecoder
+from training.lean_loss import LeanLoss
 from training.local_trainer import LORA_TARGETS
 from training.tiny_vlm import build_tiny_vlm
 from training.vision_cache import DistinctRows, PixelCache, VisionCache
@@ -133,6 +136,47 @@ def test_text_layers_it_does_not_write_out_go_to_hf(setup):
         text.attention_bias = False
     assert (decoder.calls, decoder.fallbacks) == (0, 1)
     assert torch.equal(hf, lean)
+
+
+def test_lean_loss_gives_trls_log_probs_entropies_and_lora_gradients(setup):
+    model, _, _, batch, _ = setup
+    torch.manual_seed(3)
+    fresh = AutoModelForImageTextToText.from_pretrained(model.name_or_path, dtype=torch.float32)
+    VisionCache.install(fresh)
+    peft = get_peft_model(fresh, LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, init_lora_weights=False)).train()
+    add_fused_lm_head(fresh, temperature=0.5, outputs=("log_probs", "entropy"))  # as GRPOTrainer does
+    # completions after the left-padded prompts, right-padded to three lengths, scored as TRL scores them
+    rows, length = batch["input_ids"].shape[0], 6
+    completions = torch.randint(0, fresh.config.get_text_config().vocab_size, (rows, length))
+    completion_mask = (torch.arange(length) < length - torch.arange(rows).remainder(3).unsqueeze(1)).long()
+    inputs = {"input_ids": torch.cat([batch["input_ids"], completions], 1),
+              "attention_mask": torch.cat([batch["attention_mask"], completion_mask], 1),
+              "mm_token_type_ids": torch.cat([batch["mm_token_type_ids"], torch.zeros_like(completions)], 1),
+              "pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"]}
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    labels[:, :-length] = -100
+
+    def scored(**extra):
+        peft.zero_grad()
+        out = peft(**inputs, **extra, labels=labels, fused_lm_head=True)
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+        return out, {name: p.grad.clone() for name, p in peft.named_parameters() if p.requires_grad}
+
+    fused, fused_grads = scored()
+    loss = LeanLoss.install(fresh, temperature=0.5)
+    lean, lean_grads = scored()
+    assert (loss.calls, loss.fallbacks) == (1, 0)
+    assert torch.equal(lean.label_mask, fused.label_mask) and int(lean.label_mask.sum()) == 4 * (3 * length - 3)
+    for field in ("loss", "log_probs", "entropy"):
+        torch.testing.assert_close(getattr(lean, field), getattr(fused, field), rtol=1e-4, atol=1e-5, msg=field)
+    assert set(lean_grads) == set(fused_grads) and len(lean_grads) == 2 * 7 * 2  # A and B of 7 projections, 2 layers
+    for name, grad in fused_grads.items():
+        assert grad.abs().sum() > 0, name
+        # the same gradient up to float rounding (merged weights sum in another order): ~3e-6 of its largest entry
+        assert (lean_grads[name] - grad).abs().max() <= 2e-5 * grad.abs().max(), name
+    again, _ = scored(output_hidden_states=True)  # an input it does not take goes to TRL's head
+    assert (loss.calls, loss.fallbacks) == (1, 1)
+    torch.testing.assert_close(again.log_probs, fused.log_probs)
 
 
 @pytest.mark.parametrize("args", [["--speed-steps", "5"], ["--speed-rounds", "0"]])

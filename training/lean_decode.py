@@ -41,15 +41,6 @@ class LeanDecoder:
                 and not config.forced_eos_token_id and not config.begin_suppress_tokens
                 and config.max_new_tokens is not None and config.stop_strings is None)
 
-    @staticmethod
-    def implements(model: torch.nn.Module) -> bool:
-        """A Qwen3-VL on CPU whose text layers are the ones `_step` writes out: no biases, SiLU, plain RoPE."""
-        if model.config.model_type != "qwen3_vl" or model.device.type != "cpu":
-            return False
-        text = model.config.get_text_config()
-        return (not getattr(text, "attention_bias", False) and text.hidden_act == "silu"
-                and (text.rope_parameters or {}).get("rope_type", "default") == "default")
-
     def generate(self, generation_config=None, **kwargs):
         config = self.model.generation_config if generation_config is None else generation_config
         tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
@@ -57,7 +48,7 @@ class LeanDecoder:
         if settings:
             config = copy.deepcopy(config)
             settings = config.update(**settings)  # what is not a generation setting stays: the fallback takes it
-        if settings or not self.supported(config, tensors) or not self.implements(self.model):
+        if settings or not self.supported(config, tensors) or not implements(self.model):
             self.fallbacks += 1
             return self.fallback(generation_config=generation_config, **kwargs)
         self.calls += 1
@@ -116,38 +107,6 @@ class LeanDecoder:
             out.append(row)
         return out if image == len(tokens) else None
 
-    def _weights(self) -> dict:
-        """The text layers' effective weights: each LoRA-wrapped projection's base weight plus its active
-        adapters' deltas (nothing added while adapters are disabled, e.g. for a reference forward)."""
-        def effective(module: torch.nn.Module) -> torch.Tensor:
-            base = getattr(module, "base_layer", None)
-            if base is None:
-                return module.weight
-            if module.disable_adapters or module.merged:
-                return base.weight
-            weight = base.weight
-            for name in module.active_adapters:
-                if name in module.lora_A:
-                    weight = weight + module.get_delta_weight(name)
-            return weight
-
-        text = self.model.model.language_model
-        layers = []
-        for layer in text.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
-            layers.append({
-                "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
-                # q, k and v in one product; the per-head norms and the rotation over q and k heads at once
-                "qkv": torch.cat([effective(attn.q_proj), effective(attn.k_proj), effective(attn.v_proj)]),
-                "qk_norm": torch.cat([attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)]),
-                "heads": heads, "kv_heads": kv_heads,
-                "o": effective(attn.o_proj), "down": effective(mlp.down_proj),
-                "gate_up": torch.cat([effective(mlp.gate_proj), effective(mlp.up_proj)]),
-            })
-        return {"embed": text.embed_tokens.weight, "layers": layers, "norm": text.norm.weight,
-                "lm_head": effective(self.model.lm_head), "inv_freq": text.rotary_emb.inv_freq}
-
     def _decode(self, config, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **multimodal):
         text_config = self.model.config.get_text_config()
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
@@ -160,7 +119,7 @@ class LeanDecoder:
         position = attention_mask.sum(-1)
         if multimodal.get("image_grid_thw") is not None:
             position = position + self.model.model.rope_deltas.view(-1)[rows]
-        weights = self._weights()
+        weights = text_weights(self.model)
         steps = config.max_new_tokens
         total = prompt_len + steps
         keys, values = [], []
@@ -218,6 +177,54 @@ class LeanDecoder:
             gate, up = F.linear(_rms(x, layer["ln2"], eps), layer["gate_up"]).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer["down"])
         return F.linear(_rms(x, weights["norm"], eps), weights["lm_head"]).float()
+
+
+def implements(model: torch.nn.Module) -> bool:
+    """A Qwen3-VL on CPU whose text layers are the ones written out here: no biases, SiLU, plain RoPE, and LoRA
+    adapters (if any) without dropout, whose deltas merge into their weights."""
+    if model.config.model_type != "qwen3_vl" or model.device.type != "cpu":
+        return False
+    text = model.config.get_text_config()
+    if getattr(text, "attention_dropout", 0.0):
+        return False
+    dropouts = [d for m in model.modules() for d in getattr(m, "lora_dropout", {}).values()]
+    return (not getattr(text, "attention_bias", False) and text.hidden_act == "silu"
+            and (text.rope_parameters or {}).get("rope_type", "default") == "default"
+            and all(isinstance(d, torch.nn.Identity) for d in dropouts))
+
+
+def text_weights(model: torch.nn.Module) -> dict:
+    """The text layers' effective weights: each LoRA-wrapped projection's base weight plus its active adapters'
+    deltas (nothing added while adapters are disabled, e.g. for a reference forward). Differentiable: built
+    with gradients on, the adapters get theirs through them."""
+    def effective(module: torch.nn.Module) -> torch.Tensor:
+        base = getattr(module, "base_layer", None)
+        if base is None:
+            return module.weight
+        if module.disable_adapters or module.merged:
+            return base.weight
+        weight = base.weight
+        for name in module.active_adapters:
+            if name in module.lora_A:
+                weight = weight + module.get_delta_weight(name)
+        return weight
+
+    text = model.model.language_model
+    layers = []
+    for layer in text.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
+        layers.append({
+            "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
+            # q, k and v in one product; the per-head norms and the rotation over q and k heads at once
+            "qkv": torch.cat([effective(attn.q_proj), effective(attn.k_proj), effective(attn.v_proj)]),
+            "qk_norm": torch.cat([attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)]),
+            "heads": heads, "kv_heads": kv_heads,
+            "o": effective(attn.o_proj), "down": effective(mlp.down_proj),
+            "gate_up": torch.cat([effective(mlp.gate_proj), effective(mlp.up_proj)]),
+        })
+    return {"embed": text.embed_tokens.weight, "layers": layers, "norm": text.norm.weight,
+            "lm_head": effective(model.lm_head), "inv_freq": text.rotary_emb.inv_freq}
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -30,6 +30,7 @@ from training.base import TrainingError, ensure_base, ensure_tiny_init
 from training.prompt_sets import PromptSet, mixed_items
 from training.evaluation import SAMPLED_METRIC, EvalResult, completion_text, evaluate, pil_image, sample_row
 from training.lean_decode import LeanDecoder
+from training.lean_loss import LeanLoss
 from training.rope_index import RopeIndex
 from training.vision_cache import DistinctRows, PixelCache, SharedImage, VisionCache, shared
 
@@ -330,6 +331,8 @@ def grpo_trainer(config: Config, task: Task, base: Path, run_dir: Path, steps: i
     trainer = GRPOTrainer(model=model, reward_funcs=[observe(trained), beside], args=args,
                           train_dataset=_grpo_dataset(items, local.lean_rollouts), processing_class=processor,
                           peft_config=peft_config, callbacks=callbacks)
+    if local.lean_rollouts:  # on the model TRL gave its fused head: the loss's forward, outside HF's text modules
+        LeanLoss.install(trainer.model.get_base_model(), args.temperature)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(QuietProgressCallback)
     return trainer
