@@ -1,15 +1,17 @@
 """Decoding for the tiny Qwen3-VL outside HF's generation loop. For a model this small (two text layers) a
 decode step through `generate` is almost all Python: the model's forward with its masks and 3D positions,
-the LoRA wrappers, the cache and the logits processors. Here the prompt is prefilled by the model itself
-(vision tower, deepstack and M-RoPE included); the tokens after it are decoded with plain tensor ops on the
-text layers' weights, LoRA deltas merged once per call. Past the prompt every token is text, so its three
-M-RoPE positions are equal and the rotation is the ordinary 1D one."""
+the LoRA wrappers, the cache and the logits processors. Here the text layers are written out as plain
+tensor ops on their weights, LoRA deltas merged once per call: the prompt is prefilled through them with
+HF's own vision tower, deepstack placement, M-RoPE positions and mask (`text_pass`, which the GRPO loss's
+forward shares), and the tokens after it are decoded one at a time. Past the prompt every token is text, so
+its three M-RoPE positions are equal and the rotation is the ordinary 1D one."""
 from __future__ import annotations
 
 import copy
 
 import torch
 import torch.nn.functional as F
+from transformers.masking_utils import create_causal_mask
 
 
 class LeanDecoder:
@@ -114,19 +116,19 @@ class LeanDecoder:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         rows, distinct = self._distinct(input_ids, attention_mask, multimodal)
-        out = self.model(**distinct, use_cache=True, logits_to_keep=1)
+        weights = text_weights(self.model)
+        hidden, prompt_cache = text_pass(self.model, weights, **distinct)
         # the next token's position: one past the prompt's largest (3D) position, per sequence
         position = attention_mask.sum(-1)
         if multimodal.get("image_grid_thw") is not None:
             position = position + self.model.model.rope_deltas.view(-1)[rows]
-        weights = text_weights(self.model)
         steps = config.max_new_tokens
         total = prompt_len + steps
         keys, values = [], []
-        for layer in out.cache.layers:
-            k = layer.keys.new_zeros(batch, layer.keys.shape[1], total, head_dim)
+        for prompt_keys, prompt_values in prompt_cache:
+            k = prompt_keys.new_zeros(batch, prompt_keys.shape[1], total, head_dim)
             v = torch.zeros_like(k)
-            k[:, :, :prompt_len], v[:, :, :prompt_len] = layer.keys[rows], layer.values[rows]
+            k[:, :, :prompt_len], v[:, :, :prompt_len] = prompt_keys[rows], prompt_values[rows]
             keys.append(k)
             values.append(v)
         visible = torch.zeros(batch, 1, 1, total, dtype=torch.bool)
@@ -136,7 +138,7 @@ class LeanDecoder:
         pad = config.pad_token_id if config.pad_token_id is not None else int(eos[0])
         done = torch.zeros(batch, dtype=torch.bool)
         tokens = input_ids.new_full((batch, steps), pad)
-        logits = out.logits[rows, -1].float()
+        logits = F.linear(hidden[rows, -1], weights["lm_head"]).float()
         eps = text_config.rms_norm_eps
         for step in range(steps):
             if suppress:
@@ -225,6 +227,54 @@ def text_weights(model: torch.nn.Module) -> dict:
         })
     return {"embed": text.embed_tokens.weight, "layers": layers, "norm": text.norm.weight,
             "lm_head": effective(model.lm_head), "inv_freq": text.rotary_emb.inv_freq}
+
+
+def text_pass(model: torch.nn.Module, weights: dict, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+              pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+              mm_token_type_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Whole rows (prompts, or prompts and their completions) through the text layers written out with
+    `weights`: the final norm's hidden states and each layer's keys (normed, rotated) and values, [batch,
+    kv heads, tokens, head dim]. The vision tower, the placement of its features, the M-RoPE positions (which
+    leave `rope_deltas` on the model, as HF's forward does), the rotary tables and the mask are HF's own calls."""
+    inner, config = model.model, model.config.get_text_config()
+    text = inner.language_model
+    x = text.embed_tokens(input_ids)
+    visual, deepstack = None, []
+    if pixel_values is not None:
+        image = inner.get_image_features(pixel_values, image_grid_thw, return_dict=True)
+        features = torch.cat(image.pooler_output).to(x.dtype)
+        placement, _ = inner.get_placeholder_mask(input_ids, inputs_embeds=x, image_features=features)
+        x = x.masked_scatter(placement, features)
+        visual = placement[..., 0]
+        deepstack = [torch.cat(level) for level in image.deepstack_features]
+    positions = inner.compute_3d_position_ids(input_ids=input_ids, inputs_embeds=x, image_grid_thw=image_grid_thw,
+                                              attention_mask=attention_mask, mm_token_type_ids=mm_token_type_ids)
+    if positions is None:  # text only: HF's own default
+        positions = torch.arange(x.shape[1]).view(1, 1, -1).expand(3, x.shape[0], -1)
+    mask = create_causal_mask(config=text.config, inputs_embeds=x, attention_mask=attention_mask, cache=None,
+                              position_ids=None)
+    cos, sin = text.rotary_emb(x, positions)
+    cos, sin = cos[:, :, None], sin[:, :, None]  # [batch, tokens, 1 (any head), head_dim]
+    batch, tokens = input_ids.shape
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    eps = config.rms_norm_eps
+    cached = []
+    for index, layer in enumerate(weights["layers"]):
+        heads, rotated = layer["heads"], layer["heads"] + layer["kv_heads"]
+        qkv = F.linear(_rms(x, layer["ln1"], eps), layer["qkv"]).view(batch, tokens, -1, head_dim)
+        qk = _rms(qkv[:, :, :rotated], layer["qk_norm"], eps)
+        qk = (qk * cos + _rotate_half(qk) * sin).transpose(1, 2)
+        keys, values = qk[:, heads:], qkv[:, :, rotated:].transpose(1, 2)
+        cached.append((keys, values))
+        attended = F.scaled_dot_product_attention(qk[:, :heads], keys, values, attn_mask=mask,
+                                                  is_causal=mask is None, enable_gqa=True)
+        x = x + F.linear(attended.transpose(1, 2).reshape(batch, tokens, -1), layer["o"])
+        gate, up = F.linear(_rms(x, layer["ln2"], eps), layer["gate_up"]).chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, layer["down"])
+        if index < len(deepstack):  # HF's deepstack: the tower's level `index` added at the image tokens
+            x = x.clone()
+            x[visual] = x[visual] + deepstack[index].to(x.dtype)
+    return _rms(x, weights["norm"], eps), cached
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
