@@ -6,6 +6,8 @@ get their gradients through the merged weights), q, k and v are one product, and
 one log-softmax over the small vocabulary (`lean_decode.text_pass`, which the decoder's prefill shares)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from trl.trainer.utils import FusedCausalLMOutput
@@ -28,7 +30,12 @@ class LeanLoss:
     def install(cls, model: torch.nn.Module, temperature: float) -> "LeanLoss":
         """`model` is the HF Qwen3-VL TRL added its fused head to (the PEFT model's base model)."""
         loss = cls(model, temperature)
-        model.forward = loss.forward
+
+        @functools.wraps(loss.fused)  # the model's own signature: HF's generate reads which inputs it takes from it
+        def forward(*args, **kwargs):
+            return loss.forward(*args, **kwargs)
+
+        model.forward = forward
         return loss
 
     def forward(self, *args, fused_lm_head: bool = False, labels=None, **kwargs):
