@@ -322,7 +322,9 @@ class LocalTrainingConfig(_Section):
     torch_threads: int | None = Field(None, ge=1, description="torch's CPU threads while GRPO runs; None: torch's "
                                       "default (one per core). `rlops demo` leaves a core to the endpoint it starts")
     lean_rollouts: bool = Field(True, description="decode rollouts and evals outside HF's generate loop (the same "
-                                "tokens), process each distinct prompt and image once; false: TRL's stock path")
+                                "tokens), process each distinct prompt and image once, and run the loss's forward "
+                                "outside HF's text modules (the same log-probs to float rounding); false: TRL's "
+                                "stock path")
 
     @model_validator(mode="before")
     @classmethod
