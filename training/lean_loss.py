@@ -10,7 +10,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from trl.trainer.utils import FusedCausalLMOutput
 
 from training.lean_decode import implements, text_pass, text_weights
 
@@ -52,7 +51,11 @@ class LeanLoss:
         self.calls += 1
         return self._forward(labels=labels, **given)
 
-    def _forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **inputs) -> FusedCausalLMOutput:
+    def _forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **inputs):
+        # imported here, as the trainer imports TRL: importing it sets VLLM_LOGGING_LEVEL=ERROR in os.environ, which
+        # every process started after it inherits (Ray's nodes, the endpoint's vLLM engines)
+        from trl.trainer.utils import FusedCausalLMOutput
+
         weights = text_weights(self.model)
         hidden, _ = text_pass(self.model, weights, input_ids, **inputs)
         logits = F.linear(hidden[:, :-1], weights["lm_head"]).float() / self.temperature
