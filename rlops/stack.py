@@ -268,9 +268,6 @@ def ray_node_env(config: Config, environ: Mapping[str, str] | None = None) -> di
     # Ray 2.60's raylet gives its dashboard agent a fixed 15 s; without a bytecode cache every start compiles
     # Ray's modules again (> 15 s of CPU on 2 cores). The raylets write their cache like any Python would.
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    # Processes that Ray's workers spawn (vLLM's engine core) block-buffer their stdout into the worker's log
-    # file: a replica killed on shutdown or a crash lost the engine's startup lines (its CPU binding among them).
-    env["PYTHONUNBUFFERED"] = "1"
     env.pop("RAY_AUTH_TOKEN", None)  # the token file, never a token value in the env
     secret_file(config.data_path / RAY_TOKEN_FILE, lambda: secrets.token_hex(32))
     env.update(ray_client_env(config))

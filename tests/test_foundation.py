@@ -370,7 +370,6 @@ def test_ray_section_default_is_no_cluster_and_nodes_get_their_own_ports(tmp_pat
                                 "RAY_AUTH_TOKEN": "a-token-value"})
     assert env["AWS_SECRET_ACCESS_KEY"] == "node-secret" and env["RAY_JOB_STOP_WAIT_TIME_S"] == "30"
     assert env["RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING"] == "0"  # the head's one proxy feeds every node
-    assert env["PYTHONUNBUFFERED"] == "1"  # an engine killed with its replica keeps its log lines
     assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN_PATH"] == str(tmp_path / RAY_TOKEN_FILE)
     assert "RAY_AUTH_TOKEN" not in env and (tmp_path / RAY_TOKEN_FILE).stat().st_mode & 0o777 == 0o600
     assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)  # a job's `python` is this one
