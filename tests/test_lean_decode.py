@@ -12,13 +12,12 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForImageTextToText, AutoProcessor
-from trl.trainer.utils import add_fused_lm_head
 
 from tasks.maze import MazeTask
 from training.evaluation import pil_image, prompt_messages
 from training.lean_decode import LeanDecoder
 from training.lean_loss import LeanLoss
-from training.local_trainer import LORA_TARGETS
+from training.local_trainer import LORA_TARGETS, environ_kept
 from training.tiny_vlm import build_tiny_vlm
 from training.vision_cache import DistinctRows, PixelCache, VisionCache
 
@@ -139,6 +138,8 @@ def test_text_layers_it_does_not_write_out_go_to_hf(setup):
 
 
 def test_lean_loss_gives_trls_log_probs_entropies_and_lora_gradients(setup):
+    with environ_kept():  # TRL's import sets VLLM_LOGGING_LEVEL: the suite's later Ray nodes would inherit it
+        from trl.trainer.utils import add_fused_lm_head
     model, _, _, batch, _ = setup
     torch.manual_seed(3)
     fresh = AutoModelForImageTextToText.from_pretrained(model.name_or_path, dtype=torch.float32)

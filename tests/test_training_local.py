@@ -3,6 +3,7 @@ tiny random-init model whose metrics, checkpoints, eval and registration land in
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import pytest
@@ -138,8 +139,11 @@ def test_threads_held_apart_come_back_at_the_step_after_the_release(test_config,
         if progress.step == 1:
             released.set()
 
+    vllm_logging = os.environ.get("VLLM_LOGGING_LEVEL")
     train(config, tmp_path / "run", steps=3, budget_s=600, fast=True, log=lines.append, report=report,
           threads_back=released)
+    # the endpoint the demo starts beside training inherits this env: TRL's import must not quiet its engines
+    assert os.environ.get("VLLM_LOGGING_LEVEL") == vllm_logging
     assert threads_seen == {0: 1, 1: 1, 2: before, 3: before}
     assert "step 1: torch back on" in "\n".join(lines) and torch.get_num_threads() == before
 

@@ -52,8 +52,7 @@ class LeanLoss:
         return self._forward(labels=labels, **given)
 
     def _forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **inputs):
-        # imported here, as the trainer imports TRL: importing it sets VLLM_LOGGING_LEVEL=ERROR in os.environ, which
-        # every process started after it inherits (Ray's nodes, the endpoint's vLLM engines)
+        # imported here, as the trainer imports TRL: its first import changes os.environ (`local_trainer.environ_kept`)
         from trl.trainer.utils import FusedCausalLMOutput
 
         weights = text_weights(self.model)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import statistics
 import threading
 import time
@@ -301,7 +302,8 @@ def grpo_trainer(config: Config, task: Task, base: Path, run_dir: Path, steps: i
     import torch
     from peft import LoraConfig
     from transformers import AutoModelForImageTextToText
-    from trl import GRPOConfig, GRPOTrainer
+    with environ_kept():  # TRL's import sets VLLM_LOGGING_LEVEL=ERROR, which every process started after it inherits
+        from trl import GRPOConfig, GRPOTrainer
 
     local = config.training.local
     torch.manual_seed(local.seed)
@@ -336,6 +338,18 @@ def grpo_trainer(config: Config, task: Task, base: Path, run_dir: Path, steps: i
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(QuietProgressCallback)
     return trainer
+
+
+@contextlib.contextmanager
+def environ_kept():
+    """os.environ as it was on the way in, whatever an import inside changed in it."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(before):
+            del os.environ[key]
+        os.environ.update((key, value) for key, value in before.items() if os.environ.get(key) != value)
 
 
 @contextlib.contextmanager
