@@ -272,10 +272,10 @@ def run_demo(config: Config, *, fast: bool, terminal: Terminal, config_path: str
 
     chat = ChatClient(base_url, api_key)
     lift_source = task.eval_sets()[0]
+    lift_items = task.eval_items(lift_source)
     # The base answers the lift's items while parity asks production the same ones: one batch for the engine.
     asking = ThreadPoolExecutor(1, thread_name_prefix="rlops-demo-base")
-    base_asked = asking.submit(chat.answers, config.serving.base_model_id, task.eval_items(lift_source),
-                               task.answer_length)
+    base_asked = asking.submit(chat.answers, config.serving.base_model_id, lift_items, task.answer_length)
     try:
         with progress.stage("parity: the served answers against the tracked eval (promote verify)") as stage:
             from registry_hooks.parity import verify_served
@@ -291,9 +291,11 @@ def run_demo(config: Config, *, fast: bool, terminal: Terminal, config_path: str
 
         with progress.stage("lift: the base and production on the same eval items, through the endpoint") as stage:
             data_source = summary.parity["data_source"] if summary.parity else lift_source
-            items = task.eval_items(data_source)
-            base_answers = (base_asked.result() if data_source == lift_source
-                            else chat.answers(config.serving.base_model_id, items, task.answer_length))
+            if data_source == lift_source:
+                items, base_answers = lift_items, base_asked.result()
+            else:
+                items = task.eval_items(data_source)
+                base_answers = chat.answers(config.serving.base_model_id, items, task.answer_length)
             summary.lift = lift_counts(task, data_source, items, base_answers, summary.parity)
             stage.note = lift_line(summary.lift, task.name)
             if production is not None:
@@ -304,7 +306,7 @@ def run_demo(config: Config, *, fast: bool, terminal: Terminal, config_path: str
             # one request through the official openai client: what a production client sees
             from openai import OpenAI
 
-            item = task.eval_items(summary.lift["data_source"])[0]
+            item = items[0]
             client = OpenAI(base_url=base_url, api_key=api_key or "none")
             raw = client.chat.completions.with_raw_response.create(
                 model=wanted, temperature=0, max_tokens=task.answer_length, messages=item.messages())
