@@ -183,15 +183,19 @@ class LeanDecoder:
 
 def implements(model: torch.nn.Module) -> bool:
     """A Qwen3-VL on CPU whose text layers are the ones written out here: no biases, SiLU, plain RoPE, and LoRA
-    adapters (if any) without dropout, whose deltas merge into their weights."""
+    adapters (if any) without dropout where their deltas merge into the weights (the text layers, the head) and
+    none on the token embeddings, whose weight a decode step reads as it is. The vision tower is HF's own call."""
     if model.config.model_type != "qwen3_vl" or model.device.type != "cpu":
         return False
     text = model.config.get_text_config()
     if getattr(text, "attention_dropout", 0.0):
         return False
-    dropouts = [d for m in model.modules() for d in getattr(m, "lora_dropout", {}).values()]
+    text_model = model.model.language_model
+    merged = [m for layer in text_model.layers for m in layer.modules()] + [model.lm_head]
+    dropouts = [d for m in merged for d in getattr(m, "lora_dropout", {}).values()]
     return (not getattr(text, "attention_bias", False) and text.hidden_act == "silu"
             and (text.rope_parameters or {}).get("rope_type", "default") == "default"
+            and getattr(text_model.embed_tokens, "base_layer", None) is None
             and all(isinstance(d, torch.nn.Identity) for d in dropouts))
 
 
