@@ -25,12 +25,18 @@ from fastapi import HTTPException, Request
 from pydantic import BaseModel, Field, ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ray.llm._internal.serve.constants import DEFAULT_LLM_ROUTER_HTTP_TIMEOUT
 from ray.llm._internal.serve.core.configs.openai_api_models import (
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     OpenAIHTTPException,
 )
+from ray.llm._internal.serve.core.ingress.ingress import router_request_timeout
+from ray.llm._internal.serve.core.ingress.utils import _sanitize_chat_completion_request
+from ray.llm._internal.serve.core.protocol import RawRequestInfo
 from ray import serve
+from ray.serve._private.http_util import session_id_from_headers
 from ray.serve.llm.ingress import OpenAiIngress
 from rlops.layout import TRACE_TAG_SHADOW_PAIR, TRACE_TAG_SHADOW_ROLE, ModelNameError, Resolution, ShadowRoute
 from serving.access import AccessControl, AccessError, KeyScope, RateLimiter, env_scopes
@@ -46,6 +52,8 @@ log = logging.getLogger("ray.serve.rlops")
 VERSION_HEADER = "x-rlops-model-version"
 ALIAS_HEADER = "x-rlops-model-alias"
 REPLICA_HEADER = "x-rlops-replica"  # which ingress replica answered (Serve's replica id): several run at once
+# The LLM replica's unary method per call method (`serving.preload.PreloadingLLMServer`), for non-streamed requests
+ANSWER_METHODS = {"chat": "chat_answer", "completions": "completions_answer"}
 
 
 class IngressSettings(RoutesSettings):
@@ -364,6 +372,7 @@ class AliasIngress(OpenAiIngress):
                                      queue_size=self._settings.shadow_queue_size)
         # A retry after one routes refresh sees whatever the registry now publishes for the name.
         self._retry_after_s = max(1, math.ceil(self._settings.staleness_s))
+        self._answer_handles: dict[str, Any] = {}  # routing id -> the LLM handle for unary calls
 
     def __del__(self):  # Serve's graceful shutdown of the replica
         metrics = getattr(self, "_metrics", None)
@@ -555,6 +564,31 @@ class AliasIngress(OpenAiIngress):
                 raise ClientError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
             chunks.append(chunk)
         return b"".join(chunks)
+
+    async def _process_llm_request(self, body, call_method: str, raw_request: Request | None = None) -> Response:
+        """Ray's, except that a non-streamed chat or completion is one unary call to the LLM replica (its
+        `ANSWER_METHODS`) instead of a stream of one item: that costs the ingress replica ~0.3 ms and the LLM
+        replica ~0.16 ms less CPU per request (bench/README.md). The handle is Ray's, with its multiplexed
+        routing, and so are the session routing, the timeout and the answer."""
+        if getattr(body, "stream", False) or call_method not in ANSWER_METHODS:
+            return await super()._process_llm_request(body, call_method, raw_request)
+        async with router_request_timeout(DEFAULT_LLM_ROUTER_HTTP_TIMEOUT):
+            model_id = await self._get_model_id(body.model)
+            handle = self._answer_handles.get(model_id)
+            if handle is None:
+                handle = self._answer_handles[model_id] = self._get_configured_serve_handle(model_id).options(
+                    stream=False)
+            session_id = session_id_from_headers(raw_request.headers) if raw_request is not None else None
+            if session_id:
+                handle = handle.options(session_id=session_id)
+            if isinstance(body, ChatCompletionRequest):
+                body = _sanitize_chat_completion_request(body)
+            info = RawRequestInfo.from_starlette_request(raw_request) if raw_request is not None else None
+            answer = await getattr(handle, ANSWER_METHODS[call_method]).remote(body, info)
+        if isinstance(answer, ErrorResponse):
+            raise OpenAIHTTPException(message=answer.error.message, status_code=answer.error.code,
+                                      type=answer.error.type)
+        return JSONResponse(content=answer.model_dump())
 
     async def _forward(self, body, resolution: Resolution, endpoint: str, request: Request) -> Response:
         client_name = body.model

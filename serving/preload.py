@@ -68,14 +68,22 @@ class PreloadingLLMServer(LLMServer):
         request = ChatCompletionRequest(model=self._llm_config.model_id, max_tokens=1,
                                         messages=[{"role": "user", "content": "warm-up"}])
         try:
-            answers = [answer async for answer in await self.chat(request)]
+            answer = await self.chat_answer(request)
         except Exception as exc:  # noqa: BLE001 - a client's request will say what is wrong
-            answers = [exc]
-        failed = [a for a in answers if isinstance(a, (Exception, ErrorResponse))]
-        if failed:
-            log.warning("warm-up: the engine's first chat failed: %s", type(failed[0]).__name__)
+            answer = exc
+        if isinstance(answer, (Exception, ErrorResponse)):
+            log.warning("warm-up: the engine's first chat failed: %s", type(answer).__name__)
             return
         log.info(json.dumps({"event": "engine_warmed_up", "seconds": round(time.monotonic() - started, 3)}))
+
+    async def chat_answer(self, request, raw_request_info=None):
+        """`chat` of a non-streamed request as one return value: the alias ingress's unary call, which costs both
+        replicas less than a one-item stream (`AliasIngress._process_llm_request`)."""
+        return _only([answer async for answer in await self.chat(request, raw_request_info)])
+
+    async def completions_answer(self, request, raw_request_info=None):
+        """`completions` of a non-streamed request as one return value (as `chat_answer`)."""
+        return _only([answer async for answer in await self.completions(request, raw_request_info)])
 
     async def _maybe_resolve_lora_from_multiplex(self) -> None:
         model_id = serve.get_multiplexed_model_id()
@@ -135,3 +143,8 @@ class PreloadingLLMServer(LLMServer):
                                      "seconds": round(time.monotonic() - started, 3)}))
         self._preloaded &= set(model_ids)
         return failed
+
+
+def _only(answers: list):
+    """A non-streamed engine call's one answer (a response or an `ErrorResponse`); None if it gave none."""
+    return answers[0] if answers else None

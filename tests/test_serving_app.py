@@ -338,13 +338,16 @@ def test_the_engine_is_warmed_up_before_the_replica_takes_traffic(served: Served
         return [p.read_text(errors="replace") for p in
                 Path("/tmp/ray/session_latest/logs/serve").glob("replica_rlops_PreloadingLLMServer*.log")]
 
-    # a request's access line is written after its answer went out
-    assert wait_until(lambda: replica_logs() and all("CALL chat OK" in text for text in replica_logs()), 30)
+    # a request's access line is written after its answer went out; a non-streamed chat is a `chat_answer` call
+    chat_calls = re.compile(r"CALL chat(?:_answer)? OK ([\d.]+)ms")
+    assert wait_until(lambda: replica_logs() and all(chat_calls.search(text) for text in replica_logs()), 30)
     for text in replica_logs():
         warmed = [json.loads(line[line.index("{"):]) for line in text.splitlines() if '"engine_warmed_up"' in line]
-        calls_ms = [float(ms) for ms in re.findall(r"CALL chat OK ([\d.]+)ms", text)]
+        calls_ms = [float(ms) for ms in chat_calls.findall(text)]
         assert warmed and calls_ms, text[-2000:]
         assert calls_ms[0] < 1000 * warmed[0]["seconds"] / 2, (warmed, calls_ms[:5])
+    # the ingress sends a non-streamed chat as one unary call (AliasIngress._process_llm_request), not a stream
+    assert any("CALL chat_answer OK" in text for text in replica_logs())
 
 
 def test_models_lists_served_aliases_with_versions(served: ServedApp):
