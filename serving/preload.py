@@ -77,8 +77,8 @@ class PreloadingLLMServer(LLMServer):
         log.info(json.dumps({"event": "engine_warmed_up", "seconds": round(time.monotonic() - started, 3)}))
 
     async def chat_answer(self, request, raw_request_info=None):
-        """`chat` of a non-streamed request as one return value: the alias ingress's unary call, which costs both
-        replicas less than a one-item stream (`AliasIngress._process_llm_request`)."""
+        """`chat` of a non-streamed request as one return value: the alias ingress's unary call, answered sooner
+        than a one-item stream (`AliasIngress._process_llm_request`)."""
         return _only([answer async for answer in await self.chat(request, raw_request_info)])
 
     async def completions_answer(self, request, raw_request_info=None):
