@@ -139,12 +139,11 @@ def test_text_layers_it_does_not_write_out_go_to_hf(setup):
 
 @pytest.mark.parametrize("lora", [{"target_modules": [*LORA_TARGETS, "embed_tokens"]},
                                   {"target_modules": LORA_TARGETS, "lora_dropout": 0.1}], ids=["embeddings", "dropout"])
-def test_adapters_it_does_not_merge_go_to_hf(setup, tmp_path, lora):
+def test_adapters_it_does_not_merge_go_to_hf(setup, lora):
     """An adapter on the token embeddings (a decode step reads their weight as it is) or with dropout (no term
     for it in the merged weights) is HF's to run."""
-    _, _, processor, batch, _ = setup
-    model = AutoModelForImageTextToText.from_pretrained(str(build_tiny_vlm(tmp_path / "base", seed=0)),
-                                                        dtype=torch.float32)
+    base, _, processor, batch, _ = setup
+    model = AutoModelForImageTextToText.from_pretrained(base.name_or_path, dtype=torch.float32)
     VisionCache.install(model)
     peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, **lora)).eval()
     (hf, lean), decoder = _both(model, peft, batch, do_sample=False, pad_token_id=processor.tokenizer.pad_token_id)
