@@ -113,11 +113,13 @@ def paired_arguments(parser: argparse.ArgumentParser, windows: bool = False) -> 
 
 @contextmanager
 def echo_serve(config, root: Path, seed: Callable[[Any], None] | None = None, timeout_s: float = 90,
-               pin: bool = False) -> Iterator[int]:
+               pin: bool = False, client_with_serving: bool = False) -> Iterator[int]:
     """A scratch stack (MLflow + S3) seeded by `seed` (default: the bench model's folder and manifests) and a
-    local Ray Serve; yields its port. `pin`: the stack (the control plane) and the calling thread (the load
-    generator) run on the last core, Ray and what its replicas start on the others: the serving host apart from
-    MLflow and S3, as in the cluster deployment. Everything is stopped and `root` removed on the way out."""
+    local Ray Serve; yields its port. `pin`: the stack (the control plane) runs on the last core, Ray and what its
+    replicas start on the others: the serving host apart from MLflow and S3, as in the cluster deployment; the
+    calling thread (the load generator) goes with the stack, or with Ray where `client_with_serving` (where the
+    stack's own work differs between the sides, as a shadow's traces do, it must not slow one side's client).
+    Everything is stopped and `root` removed on the way out."""
     import ray
     from ray import serve
 
@@ -134,7 +136,7 @@ def echo_serve(config, root: Path, seed: Callable[[Any], None] | None = None, ti
                  _metrics_export_port=config.serving.metrics_port)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        if pin:
+        if pin and not client_with_serving:
             os.sched_setaffinity(0, cores[-1:])
         yield port
     finally:

@@ -17,8 +17,9 @@ The result is refused when the steady rounds disagree (bench/ingress_overhead.py
 for p50). The copies are counted from the ingress's `rlops_serving_shadow_copies` metric: none is a failed run.
 Goal (issue 31): under steady load, throughput >= 0.95x the plain alias and p50 within +5%.
 figure = shadowed-alias answers/s under the steady load, baseline = plain alias. With `--pin` (recorded as
-`shadow.py --pin`) Ray runs on one core and MLflow, S3 and the load generator on the other: the MLflow server's
-work per pair trace off the serving cores, as with the tracking server on its own machine in the cluster.
+`shadow.py --pin`) MLflow and S3 run on one core, Ray and the load generator on the other: the MLflow server's
+work per pair trace off the serving core and off the client, as with the tracking server on its own machine in
+the cluster (the client's work is the same on both sides).
 
 Usage: python bench/shadow.py [--requests 1200] [--latency-requests 600] [--rounds 12] [--percent 20]
        [--load 0.5 | --rate R] [--steady-seconds 15] [--pin]
@@ -174,7 +175,7 @@ def main() -> None:
         seed_s3(config, args.percent)
         register_shadowed(config)
 
-    with echo_serve(config, root, seed, pin=args.pin) as port:
+    with echo_serve(config, root, seed, pin=args.pin, client_with_serving=args.pin) as port:
         base = config.serving.base_model_id
         models = {"plain": f"{base}:{PLAIN}", "shadow": f"{base}:{SHADOW}"}
         deployments = []
